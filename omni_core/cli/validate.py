@@ -1,0 +1,42 @@
+"""`omni validate`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from . import app, err
+
+# -- omni validate -------------------------------------------------------------------------------
+
+
+@app.command()
+def validate(
+    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Check a pipeline config: every error with its path, or a one-line summary."""
+    from ..config import load_config
+    from ..errors import ConfigError
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        if as_json:
+            print(json.dumps({"valid": False, "errors": [
+                {"path": i.path, "message": i.message, "hint": i.hint} for i in exc.issues
+            ]}, indent=2))
+        else:
+            err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    processes = {s.process or s.name for s in cfg.stages}
+    summary = (
+        f"{config}: valid pipeline {cfg.name!r}: {len(cfg.stages)} stages, "
+        f"{len(processes)} process groups, entry {cfg.entry!r}, terminal {', '.join(cfg.terminal_stages)}"
+    )
+    if as_json:
+        print(json.dumps({"valid": True, "name": cfg.name, "stages": cfg.stage_names}, indent=2))
+    else:
+        print(summary)

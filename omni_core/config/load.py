@@ -1,0 +1,321 @@
+"""Load a pipeline config from a YAML/TOML file, a mapping, or a registered pipeline name.
+
+Structure errors (unknown keys, wrong types, missing fields) are all collected, each with its path
+(``stages[2].tp_size``); then the whole-graph rules run (``validate.py``). Either way the caller
+gets one :class:`~omni_core.errors.ConfigError` listing everything.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from ..errors import ConfigError, ConfigIssue
+from .schema import LauncherConfig, PipelineConfig, RelayConfig, RestartConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+class _TypeMismatch(TypeError):
+    def __init__(self, expected: str, value: Any):
+        self.expected = expected
+        self.value = value
+        super().__init__(f"expected {expected}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _strict(tp: type):
+    def hook(value: Any, _: Any) -> Any:
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, bool) and tp is not bool:
+            raise _TypeMismatch(_TYPE_WORDS[tp], value)
+        if not isinstance(value, tp):
+            raise _TypeMismatch(_TYPE_WORDS[tp], value)
+        return value
+
+    return hook
+
+
+def _names(value: Any, _: Any) -> tuple[str, ...]:
+    """A stage name or a list of them."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise _TypeMismatch("a stage name or a list of stage names", value)
+
+
+def _gpus(value: Any, _: Any) -> tuple[int, ...] | None:
+    """A GPU id, a list of ids (one per tensor-parallel rank), or null (CPU)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    raise _TypeMismatch("a GPU id, a list of GPU ids, or null", value)
+
+
+def _env(value: Any, _: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise _TypeMismatch("a mapping of environment variables", value)
+    out = {}
+    for key, val in value.items():
+        if not isinstance(val, (str, int, float)) or isinstance(val, bool):
+            raise _TypeMismatch(f"a string value for environment variable {key!r}", val)
+        out[str(key)] = str(val)
+    return out
+
+
+def _mapping(value: Any, _: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _TypeMismatch("a mapping", value)
+    return dict(value)
+
+
+def _port_range(value: Any, _: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 0 < value[0] <= value[1] < 65536
+    ):
+        return (value[0], value[1])
+    raise _TypeMismatch("[first_port, last_port] with 0 < first <= last < 65536", value)
+
+
+def _shorthand(conv: cattrs.Converter, cls: type, field: str):
+    """``relay: shm`` means ``relay: {backend: shm}`` (and likewise for launcher, restart)."""
+    from_dict = cattrs.gen.make_dict_structure_fn(
+        cls, conv, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True
+    )
+
+    def hook(value: Any, tp: Any) -> Any:
+        if isinstance(value, str):
+            value = {field: value}
+        if not isinstance(value, Mapping):
+            raise _TypeMismatch(f"a {field} name or a mapping", value)
+        return from_dict(dict(value), cls)
+
+    return hook
+
+
+def _literal(value: Any, tp: Any) -> Any:
+    allowed = typing.get_args(tp)
+    if value not in allowed:
+        raise _TypeMismatch(f"one of {', '.join(repr(a) for a in allowed)}", value)
+    return value
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook_func(lambda t: typing.get_origin(t) is typing.Literal, _literal)
+    for tp in (int, float, bool, str):
+        conv.register_structure_hook(tp, _strict(tp))
+    exact = {
+        tuple[str, ...]: _names,
+        tuple[int, ...] | None: _gpus,
+        tuple[int, int] | None: _port_range,
+        dict[str, str]: _env,
+        dict[str, Any]: _mapping,
+        RelayConfig | None: lambda v, _: None if v is None else conv.structure(v, RelayConfig),
+    }
+    for tp, hook in exact.items():
+        conv.register_structure_hook_func(lambda t, tp=tp: t == tp, hook)
+    conv.register_structure_hook(RelayConfig, _shorthand(conv, RelayConfig, "backend"))
+    conv.register_structure_hook(LauncherConfig, _shorthand(conv, LauncherConfig, "name"))
+    conv.register_structure_hook(RestartConfig, _shorthand(conv, RestartConfig, "policy"))
+    return conv
+
+
+converter = _make_converter()
+
+
+# -- turning cattrs' exception tree into issues with paths --------------------------------------
+
+
+def _field_names(cls: type) -> list[str]:
+    return [a.alias if hasattr(a, "alias") and a.alias else a.name for a in attrs.fields(cls)]
+
+
+def _walk(exc: BaseException, path: str, issues: list[ConfigIssue], raw: Any) -> None:
+    if isinstance(exc, (ClassValidationError, IterableValidationError, cattrs.BaseValidationError)):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            if isinstance(note, cattrs.AttributeValidationNote):
+                sub_path, sub_raw = f"{path}.{note.name}" if path else note.name, _child(raw, note.name)
+            elif isinstance(note, cattrs.IterableValidationNote):
+                sub_path, sub_raw = f"{path}[{note.index}]", _child(raw, note.index)
+            else:
+                sub_path, sub_raw = path, raw
+            _walk(sub, sub_path, issues, sub_raw)
+        for sub in without:
+            _walk(sub, path, issues, raw)
+        return
+    issues.append(_issue(exc, path, raw))
+
+
+def _child(raw: Any, key: Any) -> Any:
+    try:
+        return raw[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _issue(exc: BaseException, path: str, raw: Any) -> ConfigIssue:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = _field_names(exc.cl)
+        extra = sorted(exc.extra_fields)
+        parts = []
+        for key in extra:
+            guess = difflib.get_close_matches(key, known, n=1)
+            parts.append(f"{key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else ""))
+        return ConfigIssue(
+            path,
+            f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(parts)}",
+            f"allowed keys here: {', '.join(known)}",
+        )
+    if isinstance(exc, KeyError):
+        return ConfigIssue(path, "required key is missing", f"add '{path.rsplit('.', 1)[-1]}: ...'")
+    if isinstance(exc, _TypeMismatch):
+        return ConfigIssue(path, str(exc))
+    if isinstance(exc, ValueError) and "Literal" not in str(exc):
+        return ConfigIssue(path, f"invalid value {_show(raw)}: {exc}")
+    return ConfigIssue(path, f"invalid value {_show(raw)}: {exc}")
+
+
+def structure(data: Mapping[str, Any], *, source: str | None = None) -> PipelineConfig:
+    """Turn a plain mapping into a :class:`PipelineConfig`; every structural error at once."""
+    if not isinstance(data, Mapping):
+        raise ConfigError([ConfigIssue("", f"expected a mapping at the top level, got {_show(data)}")], source=source)
+    try:
+        return converter.structure(dict(data), PipelineConfig)
+    except Exception as exc:  # cattrs wraps everything it found in one exception group
+        issues: list[ConfigIssue] = []
+        _walk(exc, "", issues, data)
+        raise ConfigError(issues, source=source) from None
+
+
+# -- sources: files, mappings, registered names -------------------------------------------------
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file into a mapping."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([ConfigIssue("", f"cannot read {path}: {exc.strerror}")], source=str(path)) from None
+    return parse_config_text(text, suffix=path.suffix, source=str(path))
+
+
+def parse_config_text(text: str, *, suffix: str, source: str) -> dict[str, Any]:
+    try:
+        if suffix.lower() == ".toml":
+            data = tomllib.loads(text)
+        elif suffix.lower() in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(
+                [ConfigIssue("", f"unknown config file type {suffix!r}", "use .yaml, .yml or .toml")], source=source
+            )
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError([ConfigIssue("", f"cannot parse: {exc}")], source=source) from None
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigIssue("", f"expected a mapping at the top level, got {_show(data)}")], source=source)
+    return data
+
+
+def _registered_pipeline(name: str) -> tuple[dict[str, Any], str]:
+    from ..plugins import get_registry
+
+    entry = get_registry().get("pipeline", name)
+    obj = entry.load()
+    if callable(obj) and not isinstance(obj, Mapping):
+        obj = obj()
+    source = f"{name!r} (registered by plugin {entry.plugin!r})"
+    if isinstance(obj, Mapping):
+        return dict(obj), source
+    if isinstance(obj, str) and ":" in obj and not os.path.exists(obj):
+        package, _, resource = obj.partition(":")
+        ref = importlib.resources.files(package).joinpath(resource)
+        return parse_config_text(ref.read_text(), suffix=Path(resource).suffix, source=source), source
+    if isinstance(obj, (str, os.PathLike)):
+        return read_config_file(obj), source
+    raise ConfigError(
+        [ConfigIssue("", f"pipeline {name!r} of plugin {entry.plugin!r} registered a {type(obj).__name__}")],
+        source=source,
+    )
+
+
+def load_config(
+    config: str | os.PathLike | Mapping[str, Any] | PipelineConfig,
+    *,
+    validate: bool = True,
+) -> PipelineConfig:
+    """Load and validate a pipeline config.
+
+    ``config`` is a path to a YAML/TOML file, a mapping, a :class:`PipelineConfig`, or the name of a
+    pipeline a plugin registered (``"demo"``). Raises :class:`ConfigError` listing every problem.
+    """
+    if isinstance(config, PipelineConfig):
+        cfg, source = config, None
+    elif isinstance(config, Mapping):
+        cfg, source = structure(config), None
+    else:
+        text = os.fspath(config)
+        if os.path.exists(text) or Path(text).suffix.lower() in (".yaml", ".yml", ".toml"):
+            data, source = read_config_file(text), text
+        else:
+            data, source = _registered_pipeline_or_error(text)
+        cfg = structure(data, source=source)
+    if validate:
+        from .validate import validate_config
+
+        validate_config(cfg, source=source)
+    return cfg
+
+
+def _registered_pipeline_or_error(name: str) -> tuple[dict[str, Any], str]:
+    from ..errors import PluginError
+
+    try:
+        return _registered_pipeline(name)
+    except PluginError as exc:
+        raise ConfigError(
+            [ConfigIssue("", f"{name!r} is neither a config file nor a registered pipeline: {exc}")],
+            source=name,
+        ) from None
+
+
+def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
+    """The config as plain data (what a spawned process receives)."""
+    return converter.unstructure(cfg)
+

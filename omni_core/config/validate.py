@@ -1,0 +1,315 @@
+"""Whole-graph validation of a structured config: every rule of DESIGN.md §3, every error at once.
+
+Each rule is a small function ``rule(cfg, ctx) -> None`` that reports through ``ctx.add(path,
+message, hint)``; :func:`validate_config` runs them all and raises one ConfigError. Names of
+factories, functions, relays, placements and launchers are checked against the plugin registry
+without importing anything a plugin registered lazily.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from ..errors import ConfigError, ConfigIssue
+from ..registry import Registry
+from .schema import PipelineConfig
+
+
+@attrs.define
+class _Context:
+    cfg: PipelineConfig
+    registry: Registry
+    issues: list[ConfigIssue] = attrs.Factory(list)
+
+    def add(self, path: str, message: str, hint: str | None = None) -> None:
+        self.issues.append(ConfigIssue(path, message, hint))
+
+    @property
+    def names(self) -> list[str]:
+        return self.cfg.stage_names
+
+    def unknown_stage(self, path: str, name: str, role: str) -> None:
+        guess = difflib.get_close_matches(name, self.names, n=1)
+        hint = f"did you mean {guess[0]!r}?" if guess else f"stages are: {', '.join(self.names)}"
+        self.add(path, f"{role} names unknown stage {name!r}", hint)
+
+
+Rule = Callable[[PipelineConfig, _Context], None]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def _sp(i: int, field: str | None = None) -> str:
+    return f"stages[{i}]" + (f".{field}" if field else "")
+
+
+# -- values ------------------------------------------------------------------------------------
+
+
+def _walk_ranges(obj: Any, path: str, ctx: _Context) -> None:
+    for field in attrs.fields(type(obj)):
+        value = getattr(obj, field.name)
+        sub = f"{path}.{field.name}" if path else field.name
+        check = field.metadata.get("check")
+        if check == "positive" and value is not None and value <= 0:
+            ctx.add(sub, f"must be greater than 0, got {value!r}")
+        elif check == "non_negative" and value is not None and value < 0:
+            ctx.add(sub, f"must be 0 or more, got {value!r}")
+        if attrs.has(type(value)):
+            _walk_ranges(value, sub, ctx)
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if attrs.has(type(item)):
+                    _walk_ranges(item, f"{sub}[{i}]", ctx)
+
+
+@rule
+def value_ranges(cfg: PipelineConfig, ctx: _Context) -> None:
+    _walk_ranges(cfg, "", ctx)
+
+
+@rule
+def has_stages(cfg: PipelineConfig, ctx: _Context) -> None:
+    if not cfg.stages:
+        ctx.add("stages", "a pipeline needs at least one stage")
+
+
+@rule
+def unique_names(cfg: PipelineConfig, ctx: _Context) -> None:
+    first: dict[str, int] = {}
+    for i, stage in enumerate(cfg.stages):
+        if not stage.name or stage.name != stage.name.strip() or any(c in stage.name for c in "/\\:\x00"):
+            ctx.add(_sp(i, "name"), f"invalid stage name {stage.name!r}", "use letters, digits, '-', '_' or '.'")
+        if stage.name in first:
+            ctx.add(_sp(i, "name"), f"duplicate stage name {stage.name!r} (also stages[{first[stage.name]}])",
+                    "give every stage its own name")
+        first.setdefault(stage.name, i)
+
+
+@rule
+def entry_exists(cfg: PipelineConfig, ctx: _Context) -> None:
+    if cfg.entry_stage is not None and cfg.entry_stage not in ctx.names:
+        ctx.unknown_stage("entry_stage", cfg.entry_stage, "entry_stage")
+    if cfg.stages and cfg.entry in ctx.names:
+        i = ctx.names.index(cfg.entry)
+        if cfg.stages[i].wait_for:
+            ctx.add(_sp(i, "wait_for"), f"the entry stage {cfg.entry!r} cannot wait for other stages",
+                    "the caller's inputs are its only payload; set entry_stage to another stage")
+
+
+# -- wiring ------------------------------------------------------------------------------------
+
+
+def _refs(ctx: _Context, i: int, field: str, names: Iterable[str], role: str) -> None:
+    stage = ctx.cfg.stages[i]
+    for k, name in enumerate(names):
+        path = _sp(i, f"{field}[{k}]")
+        if name not in ctx.names:
+            ctx.unknown_stage(path, name, role)
+        elif name == stage.name:
+            ctx.add(path, f"stage {stage.name!r} names itself in {field}")
+
+
+@rule
+def references(cfg: PipelineConfig, ctx: _Context) -> None:
+    for i, stage in enumerate(cfg.stages):
+        _refs(ctx, i, "next", stage.next, "next")
+        _refs(ctx, i, "wait_for", stage.wait_for, "wait_for")
+        _refs(ctx, i, "stream_to", stage.stream_to, "stream_to")
+        for target in stage.project_payload:
+            if target not in stage.next:
+                ctx.add(_sp(i, f"project_payload.{target}"),
+                        f"projection for {target!r}, which is not in this stage's next",
+                        f"next is {list(stage.next)}")
+
+
+@rule
+def next_xor_terminal(cfg: PipelineConfig, ctx: _Context) -> None:
+    for i, stage in enumerate(cfg.stages):
+        if stage.next and stage.terminal:
+            ctx.add(_sp(i), f"stage {stage.name!r} has both 'next' and 'terminal: true'",
+                    "a terminal stage returns its result to the caller; remove one of them")
+        elif not stage.next and not stage.terminal:
+            ctx.add(_sp(i), f"stage {stage.name!r} has neither 'next' nor 'terminal: true'",
+                    "say where its output goes, or mark it terminal")
+    if cfg.stages and not cfg.terminal_stages:
+        ctx.add("stages", "no stage is terminal, so no request could ever finish",
+                "mark the last stage(s) with 'terminal: true'")
+
+
+@rule
+def function_dependencies(cfg: PipelineConfig, ctx: _Context) -> None:
+    for i, stage in enumerate(cfg.stages):
+        if stage.wait_for and not stage.merge_fn:
+            ctx.add(_sp(i, "wait_for"), f"stage {stage.name!r} waits for {list(stage.wait_for)} but has no merge_fn",
+                    "add 'merge_fn: omni.merge_dicts' (or omni.by_source, or your own)")
+        if stage.merge_fn and not stage.wait_for:
+            ctx.add(_sp(i, "merge_fn"), "merge_fn without wait_for has nothing to merge",
+                    "list the stages to wait for in 'wait_for', or remove merge_fn")
+        if stage.wait_for_fn and not stage.wait_for:
+            ctx.add(_sp(i, "wait_for_fn"), "wait_for_fn needs 'wait_for' (it picks a subset of it)")
+        if stage.route_fn and not stage.next:
+            ctx.add(_sp(i, "route_fn"), "route_fn needs 'next' (it picks a subset of it)")
+        if stage.stream_done_to_fn and not stage.stream_to:
+            ctx.add(_sp(i, "stream_done_to_fn"), "stream_done_to_fn needs 'stream_to'")
+
+
+@rule
+def fan_in_sources_route_here(cfg: PipelineConfig, ctx: _Context) -> None:
+    by_name = {s.name: s for s in cfg.stages}
+    for i, stage in enumerate(cfg.stages):
+        for k, source in enumerate(stage.wait_for):
+            src = by_name.get(source)
+            if src is not None and src.name != stage.name and stage.name not in src.next:
+                j = ctx.names.index(source)
+                ctx.add(_sp(i, f"wait_for[{k}]"), f"stage {source!r} does not route to {stage.name!r}, so it would wait forever",
+                        f"add {stage.name!r} to stages[{j}].next")
+        senders = [s.name for s in cfg.stages if stage.name in s.next]
+        if stage.wait_for and len(senders) > 0:
+            extra = [s for s in senders if s not in stage.wait_for]
+            if extra:
+                ctx.add(_sp(i, "wait_for"), f"stages {extra} route to fan-in stage {stage.name!r} but are not in its wait_for",
+                        "add them to wait_for, or remove the stage from their next")
+
+
+def _next_graph(cfg: PipelineConfig) -> dict[str, list[str]]:
+    names = set(cfg.stage_names)
+    return {s.name: [t for t in s.next if t in names] for s in cfg.stages}
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One cycle of the graph as a list of names (first == last), or None."""
+    color: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        color[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if color.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in color and (found := visit(nxt)):
+                return found
+        stack.pop()
+        color[node] = 2
+        return None
+
+    for node in graph:
+        if node not in color and (found := visit(node)):
+            return found
+    return None
+
+
+@rule
+def acyclic_unless_declared(cfg: PipelineConfig, ctx: _Context) -> None:
+    if cfg.allow_cycles:
+        return
+    cycle = find_cycle(_next_graph(cfg))
+    if cycle:
+        ctx.add("stages", f"the stages form a cycle: {' -> '.join(cycle)}",
+                "set 'allow_cycles: true' if the loop is intended (a route_fn must end it)")
+
+
+@rule
+def reachable_from_entry(cfg: PipelineConfig, ctx: _Context) -> None:
+    if not cfg.stages or cfg.entry not in ctx.names:
+        return
+    graph = _next_graph(cfg)
+    seen, todo = {cfg.entry}, [cfg.entry]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    for i, stage in enumerate(cfg.stages):
+        if stage.name not in seen:
+            ctx.add(_sp(i), f"stage {stage.name!r} is not reachable from the entry stage {cfg.entry!r}",
+                    "add it to some stage's next, or remove it")
+
+
+# -- processes and devices ------------------------------------------------------------------------
+
+
+@rule
+def processes(cfg: PipelineConfig, ctx: _Context) -> None:
+    groups: dict[str, list[int]] = {}
+    for i, stage in enumerate(cfg.stages):
+        if stage.process is not None:
+            groups.setdefault(stage.process, []).append(i)
+        if stage.gpu is not None and len(stage.gpu) not in (1, stage.tp_size):
+            ctx.add(_sp(i, "gpu"), f"{len(stage.gpu)} GPU ids for tp_size {stage.tp_size}",
+                    f"give one id per rank ({stage.tp_size}) or a single id")
+    for name, members in groups.items():
+        if len(members) < 2:
+            continue
+        first = cfg.stages[members[0]]
+        for i in members:
+            stage = cfg.stages[i]
+            if stage.tp_size > 1:
+                ctx.add(_sp(i, "process"), f"tensor-parallel stage {stage.name!r} (tp_size {stage.tp_size}) shares process {name!r}",
+                        "a TP stage owns its processes (one per rank); remove 'process' from it")
+            if stage.replicas > 1:
+                ctx.add(_sp(i, "replicas"), f"stage {stage.name!r} has replicas but shares process {name!r}",
+                        "replicated stages get processes of their own; remove 'process' or 'replicas'")
+            for field in ("gpu", "env", "threads"):
+                if i != members[0] and getattr(stage, field) != getattr(first, field):
+                    ctx.add(_sp(i, field), f"stages {first.name!r} and {stage.name!r} share process {name!r} but set different {field}",
+                            f"give both the same {field}, or separate processes")
+
+
+# -- names resolved through the plugin registry --------------------------------------------------
+
+
+def _resolvable(ctx: _Context, path: str, kind: str, ref: str | None) -> None:
+    if ref is None:
+        return
+    problem = ctx.registry.problem(kind, ref)
+    if problem:
+        ctx.add(path, problem)
+
+
+@rule
+def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
+    for i, stage in enumerate(cfg.stages):
+        _resolvable(ctx, _sp(i, "factory"), "stage", stage.factory)
+        _resolvable(ctx, _sp(i, "route_fn"), "route", stage.route_fn)
+        _resolvable(ctx, _sp(i, "merge_fn"), "merge", stage.merge_fn)
+        _resolvable(ctx, _sp(i, "wait_for_fn"), "wait_for", stage.wait_for_fn)
+        _resolvable(ctx, _sp(i, "stream_done_to_fn"), "stream_done", stage.stream_done_to_fn)
+        for target, fn in stage.project_payload.items():
+            _resolvable(ctx, _sp(i, f"project_payload.{target}"), "project_payload", fn)
+        if stage.relay is not None and stage.relay.backend != "auto":
+            _resolvable(ctx, _sp(i, "relay.backend"), "relay", stage.relay.backend)
+    _resolvable(ctx, "terminal_stages_fn", "terminal_stages", cfg.terminal_stages_fn)
+    if cfg.relay.backend != "auto":
+        _resolvable(ctx, "relay.backend", "relay", cfg.relay.backend)
+    _resolvable(ctx, "placement.strategy", "placement", cfg.placement.strategy)
+    _resolvable(ctx, "launcher.name", "launcher", cfg.launcher.name)
+
+
+def collect_issues(cfg: PipelineConfig, registry: Registry | None = None) -> list[ConfigIssue]:
+    """Every problem of ``cfg`` (empty when it is valid)."""
+    if registry is None:
+        from ..plugins import get_registry
+
+        registry = get_registry()
+    ctx = _Context(cfg, registry)
+    for check in RULES:
+        check(cfg, ctx)
+    return ctx.issues
+
+
+def validate_config(cfg: PipelineConfig, *, source: str | None = None, registry: Registry | None = None) -> None:
+    """Raise one ConfigError listing every problem of ``cfg``; return None when it is valid."""
+    issues = collect_issues(cfg, registry)
+    if issues:
+        raise ConfigError(issues, source=source)
+

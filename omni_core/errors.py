@@ -1,0 +1,138 @@
+"""Every error omni raises on purpose.
+
+Each one is written for the person who reads it: it says what went wrong, where (config path, stage,
+process, plugin) and, where there is one, what to do about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+
+class OmniError(Exception):
+    """Base class of every error omni raises on purpose."""
+
+
+@attrs.frozen
+class ConfigIssue:
+    """One problem in a configuration: where it is, what is wrong, how to fix it."""
+
+    path: str
+    message: str
+    hint: str | None = None
+
+    def __str__(self) -> str:
+        where = self.path or "<config>"
+        text = f"{where}: {self.message}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+class ConfigError(OmniError):
+    """A configuration is invalid. ``issues`` holds every problem found, not only the first."""
+
+    def __init__(self, issues: Iterable[ConfigIssue] | str, *, source: str | None = None):
+        if isinstance(issues, str):
+            issues = [ConfigIssue("", issues)]
+        self.issues: list[ConfigIssue] = list(issues)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        head = f"invalid pipeline config {self.source}" if self.source else "invalid pipeline config"
+        count = len(self.issues)
+        lines = [f"{head}: {count} error{'s' if count != 1 else ''}"]
+        lines += [f"  - {issue}" for issue in self.issues]
+        return "\n".join(lines)
+
+
+class PluginError(OmniError):
+    """A plugin failed to load, registered something badly, or a name could not be resolved."""
+
+
+class StartupError(OmniError):
+    """The pipeline could not start. ``process`` names the process that failed, when one did;
+    ``traceback`` carries the child's traceback text."""
+
+    def __init__(self, message: str, *, process: str | None = None, traceback: str | None = None):
+        self.process = process
+        self.traceback = traceback
+        text = message if not traceback else f"{message}\n\n--- traceback from {process} ---\n{traceback}"
+        super().__init__(text)
+
+
+class RequestError(OmniError):
+    """Base class of the errors a single request can end with."""
+
+    def __init__(self, message: str, *, request_id: str | None = None):
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class StageError(RequestError):
+    """A request failed inside a stage (its code, a user function, or payload encoding).
+
+    ``stage`` is the stage's name, ``traceback`` the remote traceback text, ``error_type`` the
+    exception's class name. The stage and the pipeline go on serving other requests."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        request_id: str | None = None,
+        error_type: str = "Exception",
+        traceback: str = "",
+    ):
+        self.stage = stage
+        self.error_type = error_type
+        self.traceback = traceback
+        self.reason = message
+        text = f"request {request_id!r} failed in stage {stage!r}: {error_type}: {message}"
+        if traceback:
+            text += f"\n\n--- remote traceback (stage {stage!r}) ---\n{traceback.rstrip()}"
+        super().__init__(text, request_id=request_id)
+
+
+class ProcessDied(RequestError):
+    """A stage process died while it held the request (or while the pipeline ran)."""
+
+    def __init__(
+        self,
+        *,
+        process: str,
+        pid: int | None,
+        exitcode: int | None = None,
+        signal: str | None = None,
+        request_id: str | None = None,
+        stages: tuple[str, ...] = (),
+    ):
+        self.process = process
+        self.name = process
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal = signal
+        self.stages = stages
+        how = f"killed by {signal}" if signal else f"exit code {exitcode}"
+        hosted = f" (stages: {', '.join(stages)})" if stages else ""
+        what = f"request {request_id!r} failed: " if request_id else ""
+        super().__init__(
+            f"{what}process {process!r}{hosted} pid {pid} died ({how})", request_id=request_id
+        )
+
+
+class Overloaded(RequestError):
+    """The pipeline is at its admission limit (``limits.max_in_flight``); retry later."""
+
+
+class RequestAborted(RequestError):
+    """The request was aborted (by ``Pipeline.abort`` or because the pipeline stopped)."""
+
+
+class RequestTimeout(RequestError):
+    """The request exceeded ``limits.request_timeout``."""
+
+
+class PipelineClosed(OmniError):
+    """The pipeline is not running (not started yet, stopping, or stopped)."""

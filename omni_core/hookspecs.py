@@ -1,0 +1,103 @@
+"""Every hook an omni plugin can implement, grouped by what it contributes.
+
+A plugin is a module (or any object) exposed through the ``omni`` entry-point group::
+
+    [project.entry-points.omni]
+    acme = "acme_omni.plugin"
+
+and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` hook receives one
+``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
+conflict detection. The callback's signature is::
+
+    register(name, obj, *, description=None, **extra)
+
+``obj`` is the object itself or a ``"package.module:attr"`` string, imported only when the name is
+used (keeps ``omni plugins list`` and planning cheap). Names are global per kind: two plugins that
+register the same name of the same kind are a conflict, reported naming both. Hooks are called again
+in every process omni spawns, so they must be cheap, idempotent and free of side effects.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("omni")
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks of a pipeline
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def omni_register_stages(register):
+    """Register stage factories: ``register("acme.upper", UpperStage, description="...")``.
+
+    A factory is any callable returning a stage object (an object with an async or sync
+    ``__call__(payload, ctx)``). It is called in the stage's own process with the stage's ``args``
+    plus any of ``stage_name``, ``device``, ``gpu_id``, ``tp_rank``, ``tp_size``, ``tp_init_method``
+    its signature declares.
+    """
+
+
+@hookspec
+def omni_register_functions(register):
+    """Register wiring functions, each with its kind:
+    ``register("acme.pick", pick, kind="route", description="...")``.
+
+    Kinds and the signatures omni calls them with:
+
+    - ``route``: ``fn(request_id, payload) -> str | list[str]`` (a subset of the stage's ``next``)
+    - ``merge``: ``fn(payloads: dict[str, payload]) -> payload`` (fan-in, keyed by source stage)
+    - ``wait_for``: ``fn(request_id, from_stage, payload) -> list[str] | None`` (None: not known yet)
+    - ``stream_done``: ``fn(request_id, payload) -> str | list[str] | None``
+    - ``project_payload``: ``fn(payload) -> payload`` (per-target projection before sending)
+    - ``terminal_stages``: ``fn(inputs) -> list[str] | None`` (per-request terminal subset)
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Moving data and placing processes
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def omni_register_relays(register):
+    """Register relay backends: ``register("shm", ShmRelay, description="...")``.
+
+    ``obj`` is a class implementing :class:`omni_core.relay.Relay`; its ``capabilities``
+    say which edges it can serve, so the ``auto`` backend can pick it.
+    """
+
+
+@hookspec
+def omni_register_placements(register):
+    """Register placement strategies: ``register("pack", pack, description="...")``.
+
+    A strategy is ``fn(request: omni_core.plan.PlacementRequest) -> dict[str, list[int | None]]``
+    giving, for every stage, one GPU id (or None for CPU) per tensor-parallel rank. It must be a
+    pure function; omni validates its answer.
+    """
+
+
+@hookspec
+def omni_register_launchers(register):
+    """Register launchers: ``register("local", LocalLauncher, description="...")``.
+
+    A launcher starts the planned processes and reports their liveness; see
+    :class:`omni_core.runtime.launcher.Launcher` for the protocol.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole pipelines
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def omni_register_pipelines(register):
+    """Register named pipeline configs: ``register("demo", "acme_omni:demo.yaml")``.
+
+    ``obj`` is a mapping, a path to a YAML/TOML file, a ``"package:resource"`` string naming a
+    file shipped inside a package, or a zero-argument callable returning one of these. The name can
+    then be used wherever a config path is accepted (``omni run demo``).
+    """

@@ -1,0 +1,299 @@
+"""Plugin discovery and loading.
+
+Every plugin, omni-core's own built-ins included, comes through the ``omni`` entry-point group.
+Loading is idempotent and cheap, because it runs again in every process omni spawns.
+
+Environment (read when plugins load, not at import):
+
+- ``OMNI_DISABLED_PLUGINS=a,b``: never load these (entry-point or distribution names).
+- ``OMNI_LOAD_PLUGINS=a,b``: load only these third-party plugins; omni-core's built-ins still load
+  unless disabled. Set it empty to load no third-party plugin at all.
+
+A plugin that fails to import or to register is recorded with its distribution, entry point and
+error, not raised: listing still works, and only using a name it would have provided fails.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError
+from .registry import FUNCTION_KINDS, HOOK_KINDS, BrokenPlugin, Entry, Registry
+
+ENTRY_POINT_GROUP = "omni"
+CORE_DISTRIBUTION = "omni-core"
+
+hookimpl = pluggy.HookimplMarker("omni")
+
+HOOK_NAMES: tuple[str, ...] = tuple(HOOK_KINDS)
+
+
+@attrs.define
+class PluginInfo:
+    """What ``omni plugins list`` shows for one plugin."""
+
+    name: str
+    module: str
+    distribution: str | None = None
+    version: str | None = None
+    hooks: list[str] = attrs.Factory(list)
+    registered: dict[str, list[str]] = attrs.Factory(dict)
+    error: str | None = None
+    builtin: bool = False
+    traceback: str | None = attrs.field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "distribution": self.distribution,
+            "version": self.version,
+            "builtin": self.builtin,
+            "hooks": list(self.hooks),
+            "registered": {kind: list(names) for kind, names in self.registered.items()},
+            "error": self.error,
+        }
+
+
+@attrs.define
+class Plugins:
+    """The loaded plugin manager, what each plugin contributed, and the registry."""
+
+    pm: pluggy.PluginManager
+    infos: list[PluginInfo]
+    registry: Registry
+
+    def info(self, name: str) -> PluginInfo:
+        for info in self.infos:
+            if info.name == name:
+                return info
+        raise PluginError(f"no plugin named {name!r}; loaded: {', '.join(self.names())}")
+
+    def names(self) -> list[str]:
+        return [info.name for info in self.infos]
+
+
+def _split_env(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def _selected(
+    ep_name: str, dist: str | None, enabled: set[str] | None, disabled: set[str]
+) -> bool:
+    names = {ep_name} | ({dist} if dist else set())
+    if names & disabled:
+        return False
+    if dist == CORE_DISTRIBUTION:
+        return True
+    return enabled is None or bool(names & enabled)
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    found: dict[tuple[str, str], metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        # The same distribution can be visible twice on sys.path (e.g. an editable install and
+        # a source checkout); count it once.
+        dist = ep.dist.name if ep.dist else ""
+        found.setdefault((dist, ep.name), ep)
+    return sorted(found.values(), key=lambda ep: (ep.dist.name != CORE_DISTRIBUTION if ep.dist else True, ep.name))
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _unmarked_hooks(plugin: object) -> list[str]:
+    """Functions that look like hooks but lack ``@omni_core.hookimpl`` (pluggy ignores them)."""
+    found = []
+    for attr in dir(plugin):
+        if not attr.startswith("omni_"):
+            continue
+        fn = getattr(plugin, attr, None)
+        if callable(fn) and not hasattr(fn, "omni_impl"):
+            found.append(attr)
+    return found
+
+
+def _unknown_hooks(plugin: object) -> list[str]:
+    problems = []
+    for attr in dir(plugin):
+        fn = getattr(plugin, attr, None)
+        if attr.startswith("omni_") and hasattr(fn, "omni_impl") and attr not in HOOK_NAMES:
+            guess = difflib.get_close_matches(attr, HOOK_NAMES, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            problems.append(f"unknown hook {attr!r}{hint}")
+    return problems
+
+
+class _Collector:
+    """The ``register`` callback handed to one plugin's hook: checks each call and keeps the
+    entries until the plugin finished registering (a plugin that fails registers nothing)."""
+
+    def __init__(self, plugin: str, hook: str):
+        self.plugin = plugin
+        self.hook = hook
+        self.entries: list[Entry] = []
+
+    def __call__(self, name: str, obj: Any, *, description: str | None = None, kind: str | None = None, **extra: Any) -> None:
+        kinds = HOOK_KINDS[self.hook]
+        where = f"plugin {self.plugin!r}, hook {self.hook}"
+        if not isinstance(name, str) or not name or name != name.strip() or ":" in name:
+            raise PluginError(f"{where}: invalid name {name!r}; use a non-empty string without ':' or surrounding spaces")
+        if self.hook == "omni_register_functions":
+            if kind not in FUNCTION_KINDS:
+                raise PluginError(
+                    f"{where}: function {name!r} needs kind= one of {', '.join(FUNCTION_KINDS)}, got {kind!r}"
+                )
+        elif kind is not None and kind not in kinds:
+            raise PluginError(f"{where}: {name!r} cannot take kind={kind!r} here")
+        else:
+            kind = kinds[0]
+        if extra:
+            raise PluginError(f"{where}: unexpected keyword(s) {', '.join(sorted(extra))} for {name!r}")
+        if obj is None:
+            raise PluginError(f"{where}: {name!r} registered None")
+        if isinstance(obj, str) and kind != "pipeline" and ":" not in obj:
+            raise PluginError(
+                f"{where}: {name!r} registered the string {obj!r}; pass the object or a 'package.module:attr' path"
+            )
+        if not isinstance(obj, str) and kind not in ("pipeline",) and not callable(obj):
+            raise PluginError(f"{where}: {name!r} must be callable, got {type(obj).__name__}")
+        self.entries.append(Entry(kind=kind, name=name, target=obj, plugin=self.plugin, description=description))
+
+
+def _register_plugin(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo, plugin: object) -> None:
+    """Register one plugin's hooks and collect what it contributes; raises if it is broken.
+
+    A name another plugin already registered is not added: it becomes ambiguous (using it is an
+    error naming both plugins) and this plugin's ``error`` says so."""
+    problems = _unknown_hooks(plugin) + [
+        f"function {name!r} looks like a hook but is not marked with @omni_core.hookimpl"
+        for name in _unmarked_hooks(plugin)
+    ]
+    if problems:
+        raise PluginError("; ".join(problems))
+    pm.register(plugin, name=info.name)
+    info.hooks = [name for name in HOOK_NAMES if _implements(pm, plugin, name)]
+    collected: list[Entry] = []
+    for hook_name in info.hooks:
+        collector = _Collector(info.name, hook_name)
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is plugin:
+                impl.function(register=collector)
+        collected += collector.entries
+    clashes = []
+    for entry in collected:
+        clash = registry.add(entry)
+        if clash is None:
+            info.registered.setdefault(entry.kind, []).append(entry.name)
+        else:
+            clashes.append(f"{entry.kind} {entry.name!r} is also registered by plugin {clash.plugin!r}")
+    if clashes:
+        info.error = (
+            "name conflict: " + "; ".join(clashes)
+            + "; uninstall one of them or disable one with OMNI_DISABLED_PLUGINS"
+        )
+
+
+def _implements(pm: pluggy.PluginManager, plugin: object, hook_name: str) -> bool:
+    return any(impl.plugin is plugin for impl in getattr(pm.hook, hook_name).get_hookimpls())
+
+
+def load_plugins(
+    *,
+    env: Mapping[str, str] | None = None,
+    extra: Iterable[tuple[str, object]] = (),
+) -> Plugins:
+    """Discover and load every plugin; never raises for a broken plugin (it is recorded).
+
+    ``extra`` adds ``(name, module_or_object)`` plugins that are not installed (tests, scripts);
+    spawned stage processes do not see them, so anything a stage process needs must come from an
+    entry point or a dotted path.
+    """
+    env = os.environ if env is None else env
+    enabled = _split_env(env.get("OMNI_LOAD_PLUGINS"))
+    disabled = _split_env(env.get("OMNI_DISABLED_PLUGINS")) or set()
+
+    pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    infos: list[PluginInfo] = []
+
+    candidates: list[tuple[PluginInfo, Callable[[], object]]] = []
+    for ep in _entry_points():
+        dist = ep.dist.name if ep.dist else None
+        if not _selected(ep.name, dist, enabled, disabled):
+            continue
+        info = PluginInfo(
+            name=ep.name,
+            module=ep.value,
+            distribution=dist,
+            version=ep.dist.version if ep.dist else None,
+            builtin=dist == CORE_DISTRIBUTION,
+        )
+        candidates.append((info, ep.load))
+    for name, obj in extra:
+        if name in disabled:
+            continue
+        info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
+        candidates.append((info, lambda obj=obj: obj))
+
+    for info, load in candidates:
+        infos.append(info)
+        if pm.has_plugin(info.name):
+            info.error = f"another plugin is already loaded under the name {info.name!r}"
+            registry.broken.append(BrokenPlugin(info.name, info.distribution, info.error))
+            continue
+        try:
+            plugin = load()
+            _register_plugin(pm, registry, info, plugin)
+        except Exception as exc:  # a broken plugin is recorded, never fatal
+            info.error = _error_text(exc)
+            info.registered = {}
+            if pm.has_plugin(info.name):
+                pm.unregister(name=info.name)
+            registry.broken.append(BrokenPlugin(info.name, info.distribution, info.error))
+            info.traceback = traceback.format_exc()
+    pm.check_pending()
+    return Plugins(pm=pm, infos=infos, registry=registry)
+
+
+_loaded: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    """The process-wide plugins, loaded on first use."""
+    global _loaded
+    if _loaded is None:
+        _loaded = load_plugins()
+    return _loaded
+
+
+def get_registry() -> Registry:
+    return get_plugins().registry
+
+
+def reset_plugins() -> None:
+    """Forget the loaded plugins (tests; after installing a package at run time)."""
+    global _loaded
+    _loaded = None
+
+
+def signature_text(obj: Any) -> str:
+    """``Name(a, b=1)``, for messages about arguments."""
+    try:
+        return f"{getattr(obj, '__qualname__', repr(obj))}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        return repr(obj)

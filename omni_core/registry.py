@@ -1,0 +1,234 @@
+"""Typed registries of everything plugins contribute, and name resolution for configs.
+
+A config refers to a thing either by its registered name (``factory: acme.upper``) or by a dotted
+path (``factory: acme_omni.stages:Upper``). Both resolve here. An unknown name is a
+:class:`~omni_core.errors.PluginError` that suggests the closest known name and lists the rest;
+a name that a broken plugin might have provided says which plugin failed and why.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from .errors import PluginError
+
+#: Function kinds, each with the signature omni calls it with (see hookspecs).
+FUNCTION_KINDS: tuple[str, ...] = (
+    "route",
+    "merge",
+    "wait_for",
+    "stream_done",
+    "project_payload",
+    "terminal_stages",
+)
+
+#: Every registry kind, mapped to the words used for it in messages.
+KIND_LABELS: dict[str, str] = {
+    "stage": "stage factory",
+    **{kind: f"{kind} function" for kind in FUNCTION_KINDS},
+    "relay": "relay",
+    "placement": "placement strategy",
+    "launcher": "launcher",
+    "pipeline": "pipeline",
+}
+
+#: Which hook registers which kinds.
+HOOK_KINDS: dict[str, tuple[str, ...]] = {
+    "omni_register_stages": ("stage",),
+    "omni_register_functions": FUNCTION_KINDS,
+    "omni_register_relays": ("relay",),
+    "omni_register_placements": ("placement",),
+    "omni_register_launchers": ("launcher",),
+    "omni_register_pipelines": ("pipeline",),
+}
+
+
+def is_dotted_path(ref: str) -> bool:
+    """``pkg.mod:attr`` (a module, a colon, an attribute path) rather than a registered name."""
+    module, sep, attr = ref.partition(":")
+    return bool(sep and module and attr)
+
+
+def import_ref(ref: str) -> Any:
+    """Import ``pkg.mod:attr.sub`` and return the attribute; errors say which part is missing."""
+    module_name, _, attr_path = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginError(f"cannot import module {module_name!r} of {ref!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(
+                f"module {module_name!r} has no attribute {attr_path!r} (from {ref!r}); "
+                "check the spelling, or that the installed version provides it"
+            ) from None
+    return obj
+
+
+def check_dotted_path(ref: str) -> str | None:
+    """Check that the module of a dotted path can be found, without importing it.
+
+    Returns None when it looks importable, else the reason it is not."""
+    module_name = ref.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        return f"cannot find module {module_name!r} of {ref!r}: {exc}"
+    if spec is None:
+        return f"cannot find module {module_name!r} of {ref!r}; is its package installed?"
+    return None
+
+
+@attrs.define
+class Entry:
+    """One registered thing: a stage factory, a function, a relay, a strategy, a launcher or a
+    pipeline, with the plugin that contributed it."""
+
+    kind: str
+    name: str
+    target: Any
+    plugin: str
+    description: str | None = None
+    _loaded: Any = attrs.field(default=None, repr=False)
+
+    def load(self) -> Any:
+        """The registered object, importing it first when it was registered as a dotted path."""
+        if self._loaded is None:
+            if isinstance(self.target, str) and is_dotted_path(self.target):
+                try:
+                    self._loaded = import_ref(self.target)
+                except PluginError as exc:
+                    raise PluginError(
+                        f"{KIND_LABELS[self.kind]} {self.name!r} of plugin {self.plugin!r} "
+                        f"cannot be loaded: {exc}"
+                    ) from exc
+            else:
+                self._loaded = self.target
+        return self._loaded
+
+
+@attrs.define
+class BrokenPlugin:
+    """What the registry knows of a plugin that failed: enough to explain a missing name."""
+
+    name: str
+    distribution: str | None
+    error: str
+
+    def describe(self) -> str:
+        dist = f" (distribution {self.distribution})" if self.distribution else ""
+        return f"plugin {self.name!r}{dist} failed to load: {self.error}"
+
+
+def _closest(name: str, known: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+class Registry:
+    """Everything plugins registered, by kind and name."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], Entry] = {}
+        self._conflicts: dict[tuple[str, str], list[Entry]] = {}
+        self.broken: list[BrokenPlugin] = []
+
+    # -- filling ------------------------------------------------------------------------------
+
+    def add(self, entry: Entry) -> Entry | None:
+        """Add an entry. Returns the entry it clashes with (same kind and name, another plugin),
+        in which case the name becomes ambiguous and using it is an error naming both."""
+        key = (entry.kind, entry.name)
+        existing = self._entries.get(key)
+        if existing is None:
+            self._entries[key] = entry
+            return None
+        self._conflicts.setdefault(key, [existing]).append(entry)
+        return existing
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(name for (k, name) in self._entries if k == kind)
+
+    def entries(self, kind: str | None = None) -> list[Entry]:
+        return [e for (k, _), e in sorted(self._entries.items()) if kind is None or k == kind]
+
+    def kind_of(self, name: str, kinds: Iterable[str]) -> str | None:
+        """The first of ``kinds`` under which ``name`` is registered, if any."""
+        return next((k for k in kinds if (k, name) in self._entries), None)
+
+    def get(self, kind: str, name: str) -> Entry:
+        """The entry registered as ``name`` of ``kind``; a clear PluginError otherwise."""
+        key = (kind, name)
+        if key in self._conflicts:
+            raise PluginError(self.conflict_message(kind, name))
+        entry = self._entries.get(key)
+        if entry is None:
+            raise PluginError(self.unknown_message(kind, name))
+        return entry
+
+    def resolve(self, kind: str, ref: str) -> Any:
+        """A registered name or a ``pkg.mod:attr`` path, resolved to the object."""
+        if is_dotted_path(ref):
+            return import_ref(ref)
+        return self.get(kind, ref).load()
+
+    def problem(self, kind: str, ref: str) -> str | None:
+        """Why ``ref`` cannot be resolved as ``kind`` (None when it can), without importing
+        anything that is not already imported."""
+        if is_dotted_path(ref):
+            return check_dotted_path(ref)
+        try:
+            self.get(kind, ref)
+        except PluginError as exc:
+            return str(exc)
+        return None
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def conflict_message(self, kind: str, name: str) -> str:
+        owners = " and ".join(repr(e.plugin) for e in self._conflicts[(kind, name)])
+        return (
+            f"{KIND_LABELS[kind]} {name!r} is registered by more than one plugin: {owners}; "
+            "uninstall one of them or disable one with OMNI_DISABLED_PLUGINS"
+        )
+
+    def unknown_message(self, kind: str, name: str) -> str:
+        label = KIND_LABELS[kind]
+        known = self.names(kind)
+        suspects = [b for b in self.broken if self._might_provide(b, name)]
+        if suspects:
+            return f"{label} {name!r} is not available: " + "; ".join(
+                b.describe() for b in suspects
+            )
+        text = f"unknown {label} {name!r}"
+        guess = _closest(name, known)
+        if guess:
+            text += f" (did you mean {guess!r}?)"
+        elif kind in FUNCTION_KINDS and (other := self._other_function_kind(name, kind)):
+            text += f" ({name!r} is registered as a {other} function, not a {kind} function)"
+        text += f"; known: {', '.join(known) if known else '(none registered)'}"
+        if self.broken:
+            text += "; note: " + "; ".join(b.describe() for b in self.broken)
+        return text
+
+    def _other_function_kind(self, name: str, kind: str) -> str | None:
+        return self.kind_of(name, [k for k in FUNCTION_KINDS if k != kind])
+
+    @staticmethod
+    def _might_provide(broken: BrokenPlugin, name: str) -> bool:
+        owners = {broken.name.lower()}
+        if broken.distribution:
+            dist = broken.distribution.lower().replace("_", "-")
+            owners |= {dist, dist.removeprefix("omni-").replace("-", "_")}
+        head = name.split(".", 1)[0].lower()
+        return name.lower() in owners or head in owners

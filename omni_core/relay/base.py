@@ -1,0 +1,104 @@
+"""The Relay protocol: how tensors travel between two stage processes.
+
+The runtime splits a payload into a msgpack skeleton and a list of tensors
+(:mod:`omni_core.relay.payload`); the skeleton rides in the control message and the tensors go
+through the edge's relay::
+
+    transfer = await relay.put(request_id, tensors, target)   # sender process
+    # ... transfer.handle (bytes) and transfer.frames ride in the control message ...
+    tensors = await relay.get(transfer.handle, frames)         # receiver process
+    relay.release(transfer.handle)                             # receiver is done with them
+
+Contracts every relay keeps (``omni_core.testing.relay_conformance`` checks them):
+
+- ``put`` copies or pins what it needs before it returns: the caller may reuse its tensors.
+  It may wait (back-pressure) when the relay's credits for ``target`` are exhausted; it never
+  buffers without bound.
+- ``get`` returns tensors with the dtype, shape and values that were put (contiguous, in order).
+  They may be zero-copy views into relay memory that stay valid until ``release``.
+- ``release`` frees the sender's slot or credit; ``cleanup(request_id)`` frees everything still
+  held for an aborted or failed request, on either side; both are idempotent.
+- ``close`` frees every resource the relay holds in this process; nothing outlives it (no shm
+  segment, no thread). ``sweep(run_id)`` removes what a crashed run of this relay left behind.
+- A failure of one transfer raises from that ``put``/``get`` only; the relay keeps working.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+
+
+@attrs.frozen
+class RelayCapabilities:
+    """What a relay can move, so the ``auto`` backend can choose per edge.
+
+    ``devices``: tensor devices it accepts (``"cpu"``, ``"cuda"``). ``scopes``: where the two ends
+    may be: ``"node"`` (different processes, same machine) and/or ``"cluster"`` (different
+    machines). ``priority``: among relays able to serve an edge, ``auto`` takes the highest.
+    """
+
+    devices: frozenset[str] = frozenset({"cpu"})
+    scopes: frozenset[str] = frozenset({"node"})
+    priority: int = 0
+
+
+@attrs.frozen
+class RelayContext:
+    """What a relay instance knows about where it runs.
+
+    ``run_id``: unique per pipeline run (name shared resources with it so a sweep finds them).
+    ``process``: this process's name. ``runtime_dir``: the run's private 0700 directory.
+    ``options``: the ``relay.options`` mapping from the config.
+    """
+
+    run_id: str
+    process: str
+    runtime_dir: str
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Transfer:
+    """What ``put`` hands back: an opaque ``handle`` for the receiver and ``frames`` (buffers that
+    travel as extra zmq frames with the control message; empty for out-of-band relays)."""
+
+    handle: bytes
+    frames: Sequence[Any] = ()
+
+
+class Relay(abc.ABC):
+    """Base class of relay backends (register subclasses with ``omni_register_relays``)."""
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[RelayCapabilities] = RelayCapabilities()
+
+    def __init__(self, ctx: RelayContext):
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    async def put(self, request_id: int, tensors: Sequence[Any], target: str) -> Transfer:
+        """Make ``tensors`` available to process ``target``; may wait for credits."""
+
+    @abc.abstractmethod
+    async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[Any]:
+        """The tensors a ``put`` sent, on the receiving process."""
+
+    def release(self, handle: bytes) -> None:  # noqa: B027 - optional for relays without slots
+        """The receiver is done with the tensors of ``handle``."""
+
+    def cleanup(self, request_id: int) -> None:  # noqa: B027
+        """Free everything held for ``request_id`` (abort, failure)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Free every resource of this relay in this process."""
+
+    @classmethod
+    def sweep(cls, run_id: str | None = None) -> list[str]:
+        """Remove resources left behind by crashed runs (``run_id``: only that run's).
+
+        Returns what was removed, for reports."""
+        return []

@@ -1,0 +1,108 @@
+"""Split a payload into a msgpack skeleton and the tensors that travel out of band.
+
+A payload is any nesting of dict / list / tuple with torch tensors, numpy arrays, bytes, str,
+numbers, bools and None. ``pack`` returns ``(skeleton, tensors)``: the skeleton is msgpack bytes in
+which each tensor is a small extension record pointing at its index in ``tensors``; numpy arrays
+travel as tensors (zero-copy ``torch.from_numpy``) and come back as arrays. Tuples come back as
+lists (msgpack has one array type). Anything else is a :class:`PayloadError` naming its path inside
+the payload, unless the pipeline sets ``allow_pickle: true``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+_TENSOR, _NDARRAY, _PICKLE = 1, 2, 3
+
+
+class PayloadError(TypeError):
+    """A payload holds something omni cannot send between processes."""
+
+
+class _Packer:
+    __slots__ = ("tensors", "allow_pickle", "encoder")
+
+    def __init__(self, allow_pickle: bool):
+        self.tensors: list[torch.Tensor] = []
+        self.allow_pickle = allow_pickle
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self.hook)
+
+    def hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return msgspec.msgpack.Ext(_TENSOR, (len(self.tensors) - 1).to_bytes(4, "little"))
+        if isinstance(obj, np.ndarray):
+            try:
+                tensor = torch.from_numpy(np.ascontiguousarray(obj))
+            except TypeError as exc:
+                raise PayloadError(f"numpy array of dtype {obj.dtype} cannot travel: {exc}") from None
+            self.tensors.append(tensor)
+            return msgspec.msgpack.Ext(_NDARRAY, (len(self.tensors) - 1).to_bytes(4, "little"))
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if self.allow_pickle:
+            return msgspec.msgpack.Ext(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        raise PayloadError(f"cannot send a {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch.Tensor]]:
+    """``(skeleton, tensors)`` for ``payload``; :class:`PayloadError` names the bad path."""
+    packer = _Packer(allow_pickle)
+    try:
+        return packer.encoder.encode(payload), packer.tensors
+    except (TypeError, ValueError, OverflowError) as exc:
+        path = find_unsendable(payload, allow_pickle=allow_pickle)
+        where = f" at payload{path}" if path is not None else ""
+        hint = (
+            "payloads may hold dict, list, tuple, str, int, float, bool, None, bytes, torch tensors "
+            "and numpy arrays; convert it, or set 'allow_pickle: true' in the pipeline config"
+        )
+        raise PayloadError(f"payload cannot be encoded{where}: {exc}; {hint}") from None
+
+
+def unpack(skeleton: bytes, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    """Rebuild the payload from ``pack``'s output (tensors in the same order)."""
+
+    def ext_hook(code: int, data: memoryview) -> Any:
+        if code == _TENSOR:
+            return tensors[int.from_bytes(data, "little")]
+        if code == _NDARRAY:
+            return tensors[int.from_bytes(data, "little")].numpy()
+        if code == _PICKLE:
+            if not allow_pickle:
+                raise PayloadError("received a pickled value but this pipeline does not allow pickle")
+            return pickle.loads(data)
+        raise PayloadError(f"unknown payload extension {code}")
+
+    return msgspec.msgpack.decode(skeleton, ext_hook=ext_hook)
+
+
+_LEAVES = (str, bytes, bytearray, int, float, bool, type(None), torch.Tensor, np.ndarray, np.generic)
+
+
+def find_unsendable(payload: Any, *, allow_pickle: bool = False, _path: str = "") -> str | None:
+    """The path (``["audio"][0]``) of the first value ``pack`` cannot send, or None."""
+    if isinstance(payload, dict):
+        for key, value in payload.items():
+            if not isinstance(key, (str, int, bytes, float, bool)):
+                return f"{_path}[{key!r}] (key)"
+            found = find_unsendable(value, allow_pickle=allow_pickle, _path=f"{_path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(payload, (list, tuple)):
+        for i, value in enumerate(payload):
+            found = find_unsendable(value, allow_pickle=allow_pickle, _path=f"{_path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(payload, int) and not isinstance(payload, bool) and not -(2**63) <= payload < 2**64:
+        return _path
+    if isinstance(payload, _LEAVES) or allow_pickle:
+        return None
+    return _path
