@@ -1,0 +1,10 @@
+"""Built-in relays."""
+
+from __future__ import annotations
+
+from ..plugins import hookimpl
+
+
+@hookimpl
+def omni_register_relays(register):
+    register("inline", "omni_core.relay.inline:InlineRelay", description="tensors as zero-copy zmq frames; any edge")

@@ -1,0 +1,93 @@
+"""The ``inline`` relay: tensors travel as zero-copy zmq frames of the control message itself.
+
+Works for any edge the control plane reaches (same node or across nodes); the fallback of ``auto``.
+The sender hands zmq the tensor's memory without copying (zmq copies once into the socket); the
+receiver's tensors are views of the received frames, so ``release`` has nothing to free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import warnings
+from typing import Any
+
+import msgspec
+import torch
+
+from .base import Relay, RelayCapabilities, Transfer
+
+
+# Received frames are ours alone (zmq hands each receiver its own buffer), so a tensor viewing one
+# may be written to; torch's warning about non-writable buffers does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class _Meta(msgspec.Struct, array_like=True):
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Meta).decode
+
+# Byte views need a dtype of the same size to reinterpret; bool and complex go through uint8.
+_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r}") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (made contiguous first when it is not)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor viewing ``buf`` (no copy)."""
+    if len(memoryview(buf)) == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).view(tuple(shape))
+
+
+class InlineRelay(Relay):
+    """Tensors as extra zmq frames: no shared state, nothing to clean up."""
+
+    name = "inline"
+    capabilities = RelayCapabilities(
+        devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0
+    )
+
+    async def put(self, request_id: int, tensors: Sequence[torch.Tensor], target: str) -> Transfer:
+        meta = _Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
+        # Keep the (possibly made-contiguous) tensors alive with their views until zmq sent them.
+        frames = [tensor_bytes(t) for t in tensors]
+        return Transfer(_encode(meta), frames)
+
+    async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
+        meta = _decode(handle)
+        if len(frames) != len(meta.dtypes):
+            raise ValueError(f"inline relay: {len(frames)} frames for {len(meta.dtypes)} tensors")
+        return [
+            tensor_from_buffer(frame, dtype_from_name(dt), shape)
+            for frame, dt, shape in zip(frames, meta.dtypes, meta.shapes, strict=True)
+        ]
