@@ -27,8 +27,15 @@ from .errors import (
     StartupError,
 )
 from .plugins import hookimpl
+from .runtime.context import StageContext
+from .runtime.pipeline import Pipeline, run
+from .runtime.requests import Event
 
 __all__ = [
+    "Event",
+    "Pipeline",
+    "StageContext",
+    "run",
     "ConfigError",
     "OmniError",
     "Overloaded",

@@ -1,0 +1,1 @@
+"""The runtime: runner and coordinator (parent), stage host (child), control plane, launchers."""

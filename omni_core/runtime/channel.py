@@ -1,0 +1,157 @@
+"""zmq plumbing for the control plane: one PULL inbox per process, PUSH outboxes per peer.
+
+The inbox is read from the asyncio loop without a future per message: the socket's FD is watched
+with ``loop.add_reader`` and every message that is ready is drained and handed to a synchronous
+callback (batching what is ready, §9). Sends are non-blocking; if a peer's queue is full the send
+waits for room, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from ..logs import get_logger
+from . import wire
+
+log = get_logger()
+
+Handler = Callable[[wire.Message, list[zmq.Frame]], None]
+
+
+def _new_context() -> zmq.Context:
+    return zmq.Context(io_threads=1)
+
+
+class Inbox:
+    """A bound PULL socket whose messages are delivered to ``handler(message, frames)`` on the
+    event loop. Malformed messages are logged and dropped; an exception in the handler is logged
+    and never stops the inbox."""
+
+    def __init__(self, ctx: zmq.Context, address: str, handler: Handler, *, name: str = ""):
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(address)
+        self.address = address
+        self.handler = handler
+        self.name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        # Messages may already be queued: an edge-triggered FD would not wake us for them.
+        self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed underneath us during shutdown
+                return
+            try:
+                msg = wire.decode(frames[0].buffer)
+            except Exception as exc:
+                log.warning("dropped a malformed control message", inbox=self.name, error=str(exc))
+                continue
+            try:
+                self.handler(msg, frames[1:])
+            except Exception:
+                log.exception("control message handler failed", inbox=self.name, message=type(msg).__name__)
+
+    def close(self) -> None:
+        if self._loop is not None and not self.sock.closed:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        self.sock.close(linger=0)
+
+
+class Outbox:
+    """PUSH sockets to peers, connected on first use, keyed by address.
+
+    Messages to one address leave in the order they were posted. When a peer's queue is full,
+    later messages wait in a per-address backlog that a flusher task drains; ``send`` awaits its
+    message leaving (back-pressure), ``post`` does not (for synchronous callers)."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.ctx = ctx
+        self._socks: dict[str, zmq.Socket] = {}
+        self._backlog: dict[str, deque] = {}
+        self._flushers: dict[str, asyncio.Task] = {}
+
+    def _sock(self, address: str) -> zmq.Socket:
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.connect(address)
+            self._socks[address] = sock
+        return sock
+
+    def _try(self, sock: zmq.Socket, msg: Any, frames: Sequence[Any]) -> bool:
+        try:
+            if frames:
+                sock.send_multipart([wire.encode(msg), *frames], zmq.NOBLOCK, copy=False)
+            else:
+                sock.send(wire.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def post(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> asyncio.Future | None:
+        """Send now if possible, else queue behind earlier messages to the same address.
+
+        Returns None when sent, or a future that completes when the queued message leaves."""
+        backlog = self._backlog.get(address)
+        if not backlog and self._try(self._sock(address), msg, frames):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._backlog.setdefault(address, deque()).append((msg, frames, fut))
+        if address not in self._flushers:
+            self._flushers[address] = asyncio.get_running_loop().create_task(self._flush(address))
+        return fut
+
+    async def send(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> None:
+        """Send, waiting while the peer's queue is full (order kept)."""
+        fut = self.post(address, msg, frames)
+        if fut is not None:
+            await fut
+
+    async def _flush(self, address: str) -> None:
+        backlog = self._backlog[address]
+        sock = self._sock(address)
+        delay = 0.0002
+        try:
+            while backlog:
+                msg, frames, fut = backlog[0]
+                if self._try(sock, msg, frames):
+                    backlog.popleft()
+                    if not fut.done():
+                        fut.set_result(None)
+                    delay = 0.0002
+                else:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+        finally:
+            self._flushers.pop(address, None)
+
+    def close(self, linger_ms: int = 2000) -> None:
+        for task in self._flushers.values():
+            task.cancel()
+        for backlog in self._backlog.values():
+            for _, _, fut in backlog:
+                if not fut.done():
+                    fut.cancel()
+        for sock in self._socks.values():
+            sock.close(linger=linger_ms)
+        self._socks.clear()

@@ -1,0 +1,446 @@
+"""The stage host: the ``main`` of every stage process.
+
+It applies the process environment, loads plugins, builds the process's stages with their
+factories, binds its inbox, reports ``Ready`` and then serves: payloads and chunks in, results and
+chunks out, through the control plane and the edge relays. It exits when the coordinator says
+``Shutdown`` (after answering ``Bye``) or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import ctypes
+import inspect
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import zmq
+
+from ..config.load import structure
+from ..config.schema import PipelineConfig, StageConfig
+from ..errors import ConfigError, PluginError
+from ..logs import configure_logging, get_logger
+from ..plan.topology import OBJECT_RELAY, ProcessSpec
+from ..plugins import get_registry, signature_text
+from ..registry import Registry
+from ..relay.base import Relay, RelayContext
+from ..relay.payload import pack, unpack
+from . import wire
+from .channel import Inbox, Outbox
+from .stage import Inbound, StageFunctions, StageRuntime, WiringError
+
+#: Relay used for the caller's edges (inputs to the entry stage, results and events back).
+CALLER_RELAY = "inline"
+
+#: Route/stream_done functions may return this to mean "every target".
+ALL_TARGETS = "*"
+
+_ENDED_MEMORY = 100_000
+
+
+@attrs.frozen
+class Bootstrap:
+    """Everything a stage process needs, sent by the launcher (picklable)."""
+
+    run_id: str
+    runtime_dir: str
+    config: dict[str, Any]
+    process: ProcessSpec
+    addresses: dict[str, str]
+    routes: dict[str, list[str]]
+    edge_relays: dict[tuple[str, str, str], str]
+    env: dict[str, str]
+    parent_pid: int
+    stateful: bool = False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent dies, even if it was SIGKILLed (no orphans)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: our direct parent (the forkserver) died
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.25)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(3)
+                os._exit(1)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, name="omni-parent-watch", daemon=True).start()
+
+
+def _inject(factory: Any, spec: ProcessSpec, stage: StageConfig, tp_init_method: str | None) -> dict[str, Any]:
+    injectable = {
+        "stage_name": stage.name,
+        "device": spec.device,
+        "gpu_id": None if spec.gpu is None else 0,
+        "tp_rank": spec.tp_rank,
+        "tp_size": spec.tp_size,
+        "tp_init_method": tp_init_method,
+    }
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(stage.args)
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in stage.args if k not in params and not accepts_any]
+    if unknown:
+        raise ConfigError(
+            f"stages[{stage.name}].args: {', '.join(map(repr, unknown))} not accepted by factory "
+            f"{stage.factory!r}, whose signature is {signature_text(factory)}"
+        )
+    kwargs = dict(stage.args)
+    for key, value in injectable.items():
+        if key in params and key not in kwargs:
+            kwargs[key] = value
+    return kwargs
+
+
+def _functions(registry: Registry, stage: StageConfig) -> StageFunctions:
+    def get(kind: str, ref: str | None):
+        return None if ref is None else registry.resolve(kind, ref)
+
+    return StageFunctions(
+        route=get("route", stage.route_fn),
+        merge=get("merge", stage.merge_fn),
+        wait_for=get("wait_for", stage.wait_for_fn),
+        stream_done=get("stream_done", stage.stream_done_to_fn),
+        project={t: registry.resolve("project_payload", fn) for t, fn in stage.project_payload.items()},
+    )
+
+
+def _names(answer: Any, allowed: tuple[str, ...], what: str) -> list[str]:
+    """Normalise a route/stream_done answer to a list of names from ``allowed``."""
+    if answer == ALL_TARGETS:
+        return list(allowed)
+    names = [answer] if isinstance(answer, str) else answer
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise WiringError(f"{what} returned {answer!r}; expected a stage name or a list of names from {list(allowed)}")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise WiringError(f"{what} returned {unknown} which {'is' if len(unknown) == 1 else 'are'} not in {list(allowed)}")
+    return list(dict.fromkeys(names))
+
+
+class Host:
+    """The runtime of one stage process (also usable in-process for tests)."""
+
+    def __init__(self, boot: Bootstrap, registry: Registry):
+        self.boot = boot
+        self.spec = boot.process
+        self.config: PipelineConfig = structure(boot.config)
+        self.registry = registry
+        self.log = get_logger(pipeline=self.config.name, process=self.spec.name)
+        self.zctx = zmq.Context(io_threads=1)
+        self.outbox = Outbox(self.zctx)
+        self.coordinator = boot.addresses[""]
+        self.relays: dict[str, Relay] = {}
+        self.stages: dict[str, StageRuntime] = {}
+        self.ended: OrderedDict[int, None] = OrderedDict()
+        self.inbox: Inbox | None = None
+        self.stopping: asyncio.Event | None = None
+        self.allow_pickle = self.config.allow_pickle
+
+    # -- building ------------------------------------------------------------------------------
+
+    def build_stages(self) -> None:
+        for name in self.spec.stages:
+            stage = self.config.stage(name)
+            factory = self.registry.resolve("stage", stage.factory)
+            kwargs = _inject(factory, self.spec, stage, None)
+            obj = factory(**kwargs)
+            self.stages[name] = StageRuntime(
+                self, stage, obj, _functions(self.registry, stage), stream_buffer=self.config.limits.stream_buffer
+            )
+
+    def relay(self, name: str) -> Relay:
+        relay = self.relays.get(name)
+        if relay is None:
+            cls = self.registry.resolve("relay", name)
+            options = dict(self.config.relay.options) if self.config.relay.backend == name else {}
+            relay = self.relays[name] = cls(RelayContext(self.boot.run_id, self.spec.name, self.boot.runtime_dir, options))
+        return relay
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def on_message(self, msg: wire.Message, frames: list) -> None:
+        if isinstance(msg, wire.Data):
+            if msg.rid in self.ended:
+                return
+            if msg.stage not in self.stages:
+                self.log.warning("dropped data for a stage this process does not host", stage=msg.stage)
+                return
+            if msg.nframes != len(frames):
+                self.log.warning("dropped data with a wrong frame count", stage=msg.stage)
+                return
+            if msg.relay:
+                asyncio.get_running_loop().create_task(self._receive(msg, frames))
+            else:
+                self._dispatch(msg, unpack(msg.skeleton, [], allow_pickle=self.allow_pickle), Inbound())
+        elif isinstance(msg, wire.StreamEnd):
+            stage = self.stages.get(msg.stage)
+            if stage is not None and msg.rid not in self.ended:
+                stage.on_stream_end(msg.rid, msg.src)
+        elif isinstance(msg, (wire.Abort, wire.Forget)):
+            self.forget(msg.rid)
+        elif isinstance(msg, wire.Shutdown):
+            if self.stopping is not None:
+                self.stopping.set()
+        else:
+            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
+
+    async def _receive(self, msg: wire.Data, frames: list) -> None:
+        try:
+            relay = self.relay(msg.relay)
+            tensors = await relay.get(msg.handle, [f.buffer for f in frames])
+        except Exception as exc:
+            self.fail(msg.rid, msg.stage, exc)
+            return
+        inbound = Inbound()
+        if type(relay).release is not Relay.release:
+            inbound.releases.append(lambda: relay.release(msg.handle))
+            inbound.storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+        if msg.rid in self.ended:
+            inbound.release()
+            return
+        try:
+            payload = unpack(msg.skeleton, tensors, allow_pickle=self.allow_pickle)
+        except Exception as exc:
+            inbound.release()
+            self.fail(msg.rid, msg.stage, exc)
+            return
+        self._dispatch(msg, payload, inbound)
+
+    def _dispatch(self, msg: wire.Data, payload: Any, inbound: Inbound) -> None:
+        stage = self.stages[msg.stage]
+        if msg.kind == "work":
+            stage.on_payload(msg.rid, msg.request_id, msg.src, payload, inbound)
+        elif msg.kind == "chunk":
+            stage.on_chunk(msg.rid, msg.src, payload, inbound)
+        else:
+            inbound.release()
+            self.log.warning("dropped data of unknown kind", kind=msg.kind)
+
+    def forget(self, rid: int) -> None:
+        if rid in self.ended:
+            return
+        self.ended[rid] = None
+        if len(self.ended) > _ENDED_MEMORY:
+            self.ended.popitem(last=False)
+        for stage in self.stages.values():
+            stage.forget(rid)
+        for relay in self.relays.values():
+            try:
+                relay.cleanup(rid)
+            except Exception:
+                self.log.exception("relay cleanup failed", relay=relay.name)
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def fail(self, rid: int, stage: str, exc: BaseException) -> None:
+        """Fail request ``rid`` because of ``exc`` in ``stage``; this process keeps serving."""
+        if rid in self.ended:
+            return
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.outbox.post(self.coordinator, wire.Failed(rid, stage, type(exc).__name__, str(exc), tb))
+        self.forget(rid)
+
+    async def _send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
+                         address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
+        if tensors:
+            relay = self.relay(relay_name)
+            transfer = await relay.put(rid, tensors, self._process_of(address))
+            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, transfer.handle, len(transfer.frames))
+            await self.outbox.send(address, msg, transfer.frames)
+        else:
+            await self.outbox.send(address, wire.Data(kind, rid, request_id, dst, src, skeleton))
+
+    def _process_of(self, address: str) -> str:
+        for name, addr in self.boot.addresses.items():
+            if addr == address:
+                return name or "coordinator"
+        return address
+
+    def _target_address(self, stage: str, rid: int) -> str:
+        procs = self.boot.routes[stage]
+        return self.boot.addresses[procs[rid % len(procs)]]
+
+    async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
+                       targets: list[str], payloads: Mapping[str, Any]) -> None:
+        """Send each target its payload: objects to stages of this process (a private copy for
+        all but the last), packed once and relayed to the others."""
+        local = [t for t in targets if self.boot.edge_relays[(stage.name, t, "next" if kind == "work" else "stream")] == OBJECT_RELAY]
+        remote = [t for t in targets if t not in local]
+        packed: dict[int, tuple[bytes, list]] = {}
+        for target in remote:
+            payload = payloads[target]
+            if id(payload) not in packed:
+                packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
+            skeleton, tensors = packed[id(payload)]
+            edge_kind = "next" if kind == "work" else "stream"
+            await self._send_data(kind, rid, request_id, stage.name, target, self._target_address(target, rid),
+                                  self.boot.edge_relays[(stage.name, target, edge_kind)], skeleton, tensors)
+        for i, target in enumerate(local):
+            payload = payloads[target]
+            shared = any(payloads[t] is payload for t in local[i + 1:])
+            obj = copy.deepcopy(payload) if shared else payload
+            if kind == "work":
+                self.stages[target].on_payload(rid, request_id, stage.name, obj, Inbound())
+            else:
+                self.stages[target].on_chunk(rid, stage.name, obj, Inbound())
+
+    async def forward(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
+        """Route a finished call's result: to ``next`` (through ``route_fn`` and projections),
+        and to the coordinator when the stage is terminal."""
+        cfg = stage.cfg
+        if cfg.terminal:
+            skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
+            await self._send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+        if not cfg.next:
+            return
+        targets = list(cfg.next)
+        if stage.fns.route is not None:
+            targets = _names(stage.fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
+        dropped = [t for t in cfg.next if t not in targets]
+        if dropped:
+            await self.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
+        payloads = {t: (stage.fns.project[t](result) if t in stage.fns.project else result) for t in targets}
+        await self._deliver("work", stage, rid, request_id, targets, payloads)
+
+    async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
+        cfg = stage.cfg
+        if cfg.stream_to:
+            await self._deliver("chunk", stage, rid, request_id, list(cfg.stream_to), dict.fromkeys(cfg.stream_to, chunk))
+        elif cfg.terminal:
+            skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
+            await self._send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+        else:
+            raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
+
+    async def end_streams(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
+        cfg = stage.cfg
+        if not cfg.stream_to:
+            return
+        targets = list(cfg.stream_to)
+        if stage.fns.stream_done is not None:
+            answer = stage.fns.stream_done(request_id, result)
+            targets = [] if answer is None else _names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
+        for target in targets:
+            if self.boot.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
+                self.stages[target].on_stream_end(rid, cfg.name)
+            else:
+                await self.outbox.send(self._target_address(target, rid), wire.StreamEnd(rid, target, cfg.name))
+
+    @staticmethod
+    def copy_out(result: Any, storages: set[int]) -> Any:
+        """Clone tensors of ``result`` that view relay memory about to be released."""
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return obj.clone() if obj.numel() and obj.untyped_storage().data_ptr() in storages else obj
+            if isinstance(obj, dict):
+                return {k: walk(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [walk(v) for v in obj]
+            if isinstance(obj, tuple):
+                return tuple(walk(v) for v in obj)
+            return obj
+
+        return walk(result)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        self.stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name)
+        self.inbox.start()
+        await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
+        await self.stopping.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        for stage in self.stages.values():
+            try:
+                await stage.close()
+            except Exception:
+                self.log.exception("stage close failed", stage=stage.name)
+        for relay in self.relays.values():
+            try:
+                relay.close()
+            except Exception:
+                self.log.exception("relay close failed", relay=relay.name)
+        if self.inbox is not None:
+            self.inbox.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.outbox.send(self.coordinator, wire.Bye(self.spec.name)), 1.0)
+        self.outbox.close(linger_ms=1000)
+        self.zctx.term()
+        address = self.boot.addresses[self.spec.name]
+        with contextlib.suppress(OSError):
+            os.unlink(address.removeprefix("ipc://"))
+
+
+def _apply_env(boot: Bootstrap) -> None:
+    os.environ.clear()
+    os.environ.update(boot.env)
+    torch.set_num_threads(max(1, boot.process.threads))
+
+
+def main(boot: Bootstrap) -> None:
+    """Entry point of a stage process (called by the launcher in the child)."""
+    _watch_parent(boot.parent_pid)
+    _apply_env(boot)
+    configure_logging(force=True)
+    host: Host | None = None
+
+    async def run() -> None:
+        nonlocal host
+        try:
+            host = Host(boot, get_registry())
+            host.build_stages()
+        except BaseException as exc:
+            await _report_start_failure(boot, exc)
+            raise SystemExit(1) from None
+        await host.serve()
+
+    try:
+        asyncio.run(run())
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+async def _report_start_failure(boot: Bootstrap, exc: BaseException) -> None:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (ConfigError, PluginError)):
+        message = str(exc)
+    ctx = zmq.Context(io_threads=1)
+    outbox = Outbox(ctx)
+    try:
+        await asyncio.wait_for(outbox.send(boot.addresses[""], wire.StartFailed(boot.process.name, os.getpid(), message, tb)), 2.0)
+    finally:
+        outbox.close(linger_ms=2000)
+        ctx.term()

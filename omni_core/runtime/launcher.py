@@ -1,0 +1,133 @@
+"""Launchers start stage processes and report their liveness; the runner never knows which one
+it uses. omni-core's ``local`` launcher runs them on this machine with multiprocessing.
+
+A launcher is a class registered with ``omni_register_launchers``::
+
+    class MyLauncher:
+        def __init__(self, options: dict): ...
+        def start(self, boot: Bootstrap) -> ProcessHandle: ...   # run host.main(boot) somewhere
+        def close(self) -> None: ...
+
+A :class:`ProcessHandle` gives ``name``, ``pid``, ``sentinel`` (an fd readable once the process
+ended), ``exitcode`` (None while alive; negative: killed by that signal), ``terminate()``,
+``kill()`` and ``join(timeout)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.spawn
+import os
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+from .host import Bootstrap, main
+
+#: Modules the forkserver imports once, so each stage process starts without paying for them.
+PRELOAD = ["torch", "omni_core.runtime.host"]
+
+
+class ProcessHandle(Protocol):
+    name: str
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+@contextlib.contextmanager
+def _passive_openmp():
+    """Start the forkserver with OMP_WAIT_POLICY=PASSIVE unless the operator chose otherwise:
+    OpenMP reads it once when torch loads, and spinning workers starve sibling processes (§9)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+@contextlib.contextmanager
+def _without_main_module():
+    """Stage processes must not re-run the parent's ``__main__`` (multiprocessing's default
+    with spawn/forkserver): a user's script without an ``if __name__ == "__main__"`` guard would
+    start pipelines recursively. Everything a stage process needs is importable by name."""
+    original = multiprocessing.spawn.get_preparation_data
+
+    def prepare(name: str) -> dict:
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    multiprocessing.spawn.get_preparation_data = prepare
+    try:
+        yield
+    finally:
+        multiprocessing.spawn.get_preparation_data = original
+
+
+class LocalLauncher:
+    """Stage processes on this machine: a forkserver that preloaded torch and omni (default), or
+    plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork."""
+
+    def __init__(self, options: dict[str, Any] | None = None):
+        options = dict(options or {})
+        method = options.pop("start_method", "forkserver")
+        if method not in ("forkserver", "spawn"):
+            raise ConfigError(f"launcher.options.start_method: {method!r} is not supported; use 'forkserver' or 'spawn'")
+        if options:
+            raise ConfigError(f"launcher.options: unknown option(s) {', '.join(sorted(options))} for launcher 'local' (known: start_method)")
+        self.ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            self.ctx.set_forkserver_preload(PRELOAD)
+            with _passive_openmp(), _without_main_module():
+                multiprocessing.forkserver.ensure_running()
+
+    def start(self, boot: Bootstrap) -> ProcessHandle:
+        proc = self.ctx.Process(target=main, args=(boot,), name=f"omni:{boot.process.name}", daemon=False)
+        with _without_main_module():
+            proc.start()
+        return _MpHandle(boot.process.name, proc)
+
+    def close(self) -> None:
+        pass
+
+
+class _MpHandle:
+    def __init__(self, name: str, proc: multiprocessing.process.BaseProcess):
+        self.name = name
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def terminate(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.proc.join(timeout)
