@@ -59,8 +59,8 @@ class StageContext:
     """Handed to every stage call with the payload: ``await stage(payload, ctx)``.
 
     - ``request_id``: the caller's id for this request; ``stage_name``: this stage.
-    - ``await ctx.emit(chunk)``: stream a chunk to this stage's ``stream_to`` stages, or to the
-      caller when this stage is terminal and streams to no stage.
+    - ``await ctx.emit(chunk)``: stream a chunk to this stage's ``stream_to`` stages and, when
+      this stage is terminal, to the caller (``Pipeline.stream``).
     - ``ctx.stream_from(stage)``: async iterator over the chunks ``stage`` streams to this one,
       ending when that stage signals the end of its stream.
     - ``ctx.aborted``: True once the request was aborted (sync stages running in a worker thread

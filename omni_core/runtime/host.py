@@ -325,14 +325,16 @@ class Host:
         await self._deliver("work", stage, rid, request_id, targets, payloads)
 
     async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
+        """A chunk goes to every ``stream_to`` stage and, when the stage is terminal, to the
+        caller too."""
         cfg = stage.cfg
+        if not cfg.stream_to and not cfg.terminal:
+            raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
         if cfg.stream_to:
             await self._deliver("chunk", stage, rid, request_id, list(cfg.stream_to), dict.fromkeys(cfg.stream_to, chunk))
-        elif cfg.terminal:
+        if cfg.terminal:
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self._send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
-        else:
-            raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
 
     async def end_streams(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
         cfg = stage.cfg
