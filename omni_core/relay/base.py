@@ -11,8 +11,10 @@ through the edge's relay::
 
 Contracts every relay keeps (``omni_core.testing.relay_conformance`` checks them):
 
-- ``put`` copies or pins what it needs before it returns: the caller may reuse its tensors.
-  It may wait (back-pressure) when the relay's credits for ``target`` are exhausted; it never
+- ``put`` copies or pins what it needs before it returns: the caller may drop its tensors. (A
+  relay that pins rather than copies, like ``inline``, may still send later in-place writes; one
+  that copies, like ``shm``, never does.) It may wait (back-pressure) when the relay's credits for
+  ``target`` are exhausted, and raises :class:`RelayTimeout` when none came back in time; it never
   buffers without bound.
 - ``get`` returns tensors with the dtype, shape and values that were put (contiguous, in order).
   They may be zero-copy views into relay memory that stay valid until ``release``.
@@ -30,6 +32,13 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
+
+from ..errors import OmniError
+
+
+class RelayTimeout(OmniError, TimeoutError):
+    """``put`` waited longer than the relay's timeout for credits toward its target (the receiver
+    holds them: it is slow, stuck or dead). The message says which target and who holds them."""
 
 
 @attrs.frozen

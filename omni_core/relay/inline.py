@@ -7,15 +7,14 @@ receiver's tensors are views of the received frames, so ``release`` has nothing 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import torch
 
 from .base import Relay, RelayCapabilities, Transfer
-
 
 # Received frames are ours alone (zmq hands each receiver its own buffer), so a tensor viewing one
 # may be written to; torch's warning about non-writable buffers does not apply.

@@ -1,0 +1,438 @@
+"""The ``shm`` relay: tensors through a pre-allocated, credit-bounded shared-memory pool.
+
+Each sending process owns one pool per target process: a /dev/shm segment of ``slots`` slots of
+``slot_bytes`` bytes, created and pre-faulted on the first ``put`` to that target and reused for
+the rest of the run. ``put`` copies the tensors into a run of consecutive free slots (one copy in;
+a CUDA tensor is copied to host here, since the relay declares only ``cpu``); ``get`` returns
+tensors viewing the receiver's mapping of the pool (zero copy), valid until ``release``.
+
+Credits and back-pressure. A put takes ``ceil(bytes / slot_bytes)`` consecutive slots (at least
+one per put, so ``slots`` bounds the puts in flight toward one target). When they are not free,
+``put`` waits in FIFO order: a short spin of event-loop yields, then sleeps backing off to 5 ms (no
+core burnt), until the receiver releases or ``timeout`` seconds pass; then it raises
+:class:`~omni_core.relay.base.RelayTimeout` naming the target, the receiver pid (and whether it is
+dead) and the requests holding the credits. When the receiver is seen dead the wait ends after
+one more second instead, leaving the runtime that time to ``cleanup`` its requests.
+
+No back-channel. Slot state lives in the segment header (see :mod:`.shm_segment`): the sender
+writes the span's ticket to ``issued``, the receiver writes it to ``released`` when done; the
+sender reclaims lazily when it needs space. ``cleanup(request_id)`` on the sender abandons the
+spans of that request (a late release of their tickets can never free a reissued span).
+
+Oversized transfers (more bytes than the whole pool) go through a one-off segment of their exact
+size, at most one in flight per target (the next waits for its release), so nothing deadlocks and
+memory stays bounded; they pay for new memory (page faults, roughly 1 to 2.5 GB/s instead of the
+pool's memcpy speed), so size ``slots * slot_bytes`` above the largest common payload.
+
+Lifetime. Segment names are ``omni-<run_id>-p<pid>-<tag>``; ``sweep`` unlinks those whose owner
+is dead. ``close`` unlinks every segment this process created and unmaps every mapping (a mapping
+that tensors still view is unmapped when they are freed). Receivers map lazily and cache pool
+mappings. All methods run on one event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import msgspec
+import torch
+
+from .base import Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
+from .inline import dtype_from_name, dtype_name
+from .shm_segment import (
+    ONEOFF,
+    Segment,
+    ShmRelayError,
+    clean,
+    process_alive,
+    segment_name,
+    sweep,
+)
+
+__all__ = ["ShmRelay", "ShmRelayError"]
+
+_ALIGN = 64
+_SPIN_S = 200e-6
+_MAX_SLEEP_S = 5e-3
+_DEAD_GRACE_S = 1.0
+DEFAULTS = {"slot_bytes": 4 << 20, "slots": 32, "timeout": 30.0}
+
+
+class _Handle(msgspec.Struct, array_like=True):
+    segment: str  # "" when the tensors hold no bytes
+    slot: int
+    ticket: int
+    request_id: int
+    base: int  # byte offset of the span in the data region
+    offsets: list[int]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Handle).decode
+
+
+@attrs.define
+class _Span:
+    slot: int
+    nslots: int
+    ticket: int
+    request_id: int
+
+
+class _Pool:
+    """The sender's credits toward one target: the slots of one pre-faulted segment."""
+
+    def __init__(self, seg: Segment):
+        self.seg = seg
+        self.occupied = bytearray(seg.slots)
+        self.spans: dict[int, _Span] = {}
+        self.waiters: collections.deque = collections.deque()
+
+    def take(self, nslots: int, request_id: int, ticket: int) -> _Span | None:
+        slot = self.occupied.find(bytes(nslots))
+        if slot < 0 and self._reclaim():
+            slot = self.occupied.find(bytes(nslots))
+        if slot < 0:
+            return None
+        span = self.spans[slot] = _Span(slot, nslots, ticket, request_id)
+        self.occupied[slot : slot + nslots] = b"\x01" * nslots
+        self.seg.set_issued(slot, ticket)
+        return span
+
+    def _reclaim(self) -> bool:
+        done = [s for s in self.spans.values() if self.seg.released(s.slot) == s.ticket]
+        for span in done:
+            self.free(span)
+        return bool(done)
+
+    def free(self, span: _Span) -> None:
+        if self.spans.get(span.slot) is span:
+            del self.spans[span.slot]
+            self.occupied[span.slot : span.slot + span.nslots] = bytes(span.nslots)
+
+    def abandon(self, request_id: int) -> None:
+        for span in [s for s in self.spans.values() if s.request_id == request_id]:
+            self.free(span)
+
+    def holders(self) -> list[int]:
+        self._reclaim()
+        return sorted({s.request_id for s in self.spans.values()})
+
+
+class _Oneoffs:
+    """Transfers larger than the pool toward one target: a segment each, one in flight at a time."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, tuple[Segment, _Span]] = {}
+        self.waiters: collections.deque = collections.deque()
+
+    def reclaim(self) -> None:
+        for name, (seg, span) in list(self.live.items()):
+            if seg.released(0) == span.ticket:
+                self.drop(name)
+
+    def drop(self, name: str) -> None:
+        seg, _ = self.live.pop(name)
+        seg.unlink()
+        seg.close()
+
+    def abandon(self, request_id: int) -> None:
+        for name in [n for n, (_, s) in self.live.items() if s.request_id == request_id]:
+            self.drop(name)
+
+    def holders(self) -> list[int]:
+        self.reclaim()
+        return sorted({s.request_id for _, s in self.live.values()})
+
+
+def _layout(tensors: Sequence[Any]) -> tuple[list[int], int]:
+    """Byte offsets (64-aligned) of each tensor in a span, and the span's size."""
+    offsets, cursor = [], 0
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"shm relay: item {i} is a {type(t).__name__} "
+                            f"{getattr(t, 'layout', '')}, not a dense torch.Tensor")
+        dtype_from_name(dtype_name(t.dtype))  # unsupported dtypes fail here, before any copy
+        offset = -(-cursor // _ALIGN) * _ALIGN
+        offsets.append(offset)
+        cursor = offset + t.numel() * t.element_size()
+    return offsets, cursor
+
+
+def _options(options: dict[str, Any]) -> tuple[int, int, float]:
+    """``(slot_bytes, slots, timeout)`` from ``relay.options`` (other keys belong to other relays)."""
+    merged = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
+    slot_bytes, slots, timeout = merged["slot_bytes"], merged["slots"], merged["timeout"]
+    for key, value, kind in (("slot_bytes", slot_bytes, int), ("slots", slots, int),
+                             ("timeout", timeout, (int, float))):
+        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+            raise ValueError(f"relay.options.{key}: expected a positive number, got {value!r} "
+                             f"(default {DEFAULTS[key]!r})")
+    return -(-slot_bytes // _ALIGN) * _ALIGN, slots, float(timeout)
+
+
+@attrs.define
+class _Wait:
+    """What a put waiting for credits needs: its queue, the receiver's liveness, its error text."""
+
+    waiters: collections.deque
+    timeout: float
+    receiver_dead: Callable[[], bool]
+    why: Callable[[bool], str]
+    closed: Callable[[], bool]
+
+
+async def _acquire(wait: _Wait, attempt: Callable[[], Any]) -> Any:
+    """``attempt()``'s first non-None result, in FIFO order among the waiters of one queue: spin
+    briefly, then sleep with backoff; :class:`RelayTimeout` after ``timeout`` (or one more second
+    once the receiver is seen dead)."""
+    if not wait.waiters:
+        got = attempt()
+        if got is not None:
+            return got
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait.timeout
+    turn = loop.create_future()
+    wait.waiters.append(turn)
+    try:
+        if wait.waiters[0] is not turn:
+            try:
+                await asyncio.wait_for(turn, deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise RelayTimeout(wait.why(False)) from None
+        spin_until, sleep, dead, next_check = time.perf_counter() + _SPIN_S, 0.0, False, 0.0
+        while True:
+            if wait.closed():
+                raise ShmRelayError("shm relay: closed while a put waited for credits")
+            got = attempt()
+            if got is not None:
+                return got
+            now = loop.time()
+            if now >= deadline:
+                raise RelayTimeout(wait.why(dead))
+            if not dead and now >= next_check:
+                next_check = now + 0.1
+                if wait.receiver_dead():
+                    dead, deadline = True, min(deadline, now + _DEAD_GRACE_S)
+            if time.perf_counter() < spin_until:
+                await asyncio.sleep(0)
+            else:
+                sleep = min(max(sleep * 2, 1e-3), _MAX_SLEEP_S)
+                await asyncio.sleep(min(sleep, max(deadline - now, 0.0)))
+    finally:
+        wait.waiters.remove(turn)
+        if wait.waiters and not wait.waiters[0].done():
+            wait.waiters[0].set_result(None)
+
+
+def _receiver_dead(segs: Sequence[Segment]) -> bool:
+    """Whether a receiver mapped one of ``segs`` and has died since."""
+    for seg in segs:
+        pid, start = seg.receiver()
+        if pid and not process_alive(pid, start):
+            return True
+    return False
+
+
+def _receiver_text(segs: Sequence[Segment]) -> str:
+    for seg in segs:
+        pid, start = seg.receiver()
+        if pid:
+            state = "is dead" if not process_alive(pid, start) else "is alive but did not release them"
+            return f"receiver pid {pid} {state}"
+    return "the receiver has not mapped them yet"
+
+
+class ShmRelay(Relay):
+    """Same-node transfers through per-target shared-memory pools (see the module docstring).
+
+    Options (``relay.options``): ``slot_bytes`` (default 4 MiB), ``slots`` (credits per target,
+    default 32), ``timeout`` (seconds a ``put`` waits for credits, default 30).
+    """
+
+    name = "shm"
+    capabilities = RelayCapabilities(
+        devices=frozenset({"cpu"}), scopes=frozenset({"node"}), priority=10
+    )
+
+    def __init__(self, ctx: RelayContext):
+        super().__init__(ctx)
+        self.slot_bytes, self.slots, self.timeout = _options(dict(ctx.options))
+        self._pools: dict[str, _Pool] = {}
+        self._oneoffs: dict[str, _Oneoffs] = {}
+        self._tickets = itertools.count(1)
+        self._serial = itertools.count()
+        self._maps: dict[str, Segment] = {}  # receiver side: segments of other processes
+        self._held: dict[bytes, int] = {}  # receiver side: handle -> request id, until release
+        self._closed = False
+
+    # -- sender ---------------------------------------------------------------------------------
+
+    async def put(self, request_id: int, tensors: Sequence[torch.Tensor], target: str) -> Transfer:
+        if self._closed:
+            raise ShmRelayError("shm relay: put after close")
+        offsets, nbytes = _layout(tensors)
+        dtypes = [dtype_name(t.dtype) for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        if nbytes == 0:
+            return Transfer(_encode(_Handle("", 0, 0, request_id, 0, offsets, dtypes, shapes)))
+        seg, span, release = await self._reserve(request_id, nbytes, target)
+        base = span.slot * seg.slot_bytes
+        try:
+            for t, offset in zip(tensors, offsets, strict=True):
+                size = t.numel() * t.element_size()
+                if size:
+                    dst = seg.data[base + offset : base + offset + size]
+                    dst.view(t.dtype).view(t.shape).copy_(t.detach())
+        except BaseException:
+            release()
+            raise
+        handle = _Handle(seg.name, span.slot, span.ticket, request_id, base, offsets, dtypes, shapes)
+        return Transfer(_encode(handle))
+
+    async def _reserve(self, request_id: int, nbytes: int, target: str):
+        """``(segment, span, undo)`` for ``nbytes`` toward ``target``, waiting for credits."""
+        nslots = -(-nbytes // self.slot_bytes)
+        if nslots <= self.slots:
+            pool = self._pool(target)
+            segs = (pool.seg,)
+            wait = self._wait(pool.waiters, target, nbytes, pool.holders, lambda: segs)
+            span = await _acquire(wait, lambda: pool.take(nslots, request_id, next(self._tickets)))
+            return pool.seg, span, lambda: pool.free(span)
+        big = self._oneoffs.setdefault(target, _Oneoffs())
+        wait = self._wait(big.waiters, target, nbytes, big.holders,
+                          lambda: [seg for seg, _ in big.live.values()])
+        seg = await _acquire(wait, lambda: self._take_oneoff(big, target, nbytes, request_id))
+        return seg, big.live[seg.name][1], lambda: big.drop(seg.name)
+
+    def _wait(self, waiters, target: str, nbytes: int, holders: Callable[[], list[int]],
+              segs: Callable[[], Sequence[Segment]]) -> _Wait:
+        def why(dead: bool) -> str:
+            waited = "1 s after its receiver died" if dead else f"{self.timeout:g} s"
+            return (
+                f"shm relay: put of {nbytes} bytes from process {self.ctx.process!r} to process "
+                f"{target!r} waited {waited} for credits ({self.slots} slots of {self.slot_bytes} "
+                f"bytes), held by requests {holders()[:10]}; {_receiver_text(segs())}. The runtime "
+                "frees a dead receiver's credits with cleanup(request_id); raise relay.options "
+                "timeout or slots if the receiver is merely slow"
+            )
+
+        return _Wait(waiters, self.timeout, lambda: _receiver_dead(segs()), why,
+                     lambda: self._closed)
+
+    def _pool(self, target: str) -> _Pool:
+        pool = self._pools.get(target)
+        if pool is None:
+            name = self._name(target, "pool")
+            pool = self._pools[target] = _Pool(Segment.create(name, self.slots, self.slot_bytes))
+        return pool
+
+    def _take_oneoff(self, big: _Oneoffs, target: str, nbytes: int, request_id: int):
+        big.reclaim()
+        if big.live:
+            return None
+        name = self._name(target, "big")
+        seg = Segment.create(name, 1, -(-nbytes // _ALIGN) * _ALIGN, kind=ONEOFF)
+        span = _Span(0, 1, next(self._tickets), request_id)
+        seg.set_issued(0, span.ticket)
+        big.live[name] = (seg, span)
+        return seg
+
+    def _name(self, target: str, kind: str) -> str:
+        if not isinstance(target, str) or not target:
+            raise ValueError(f"shm relay: target must be a process name, got {target!r}")
+        tag = f"{clean(self.ctx.process, 30)}.{clean(target, 30)}.{kind}{next(self._serial)}"
+        return segment_name(self.ctx.run_id, os.getpid(), tag)
+
+    # -- receiver -------------------------------------------------------------------------------
+
+    async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
+        key = bytes(handle)
+        h = _decode(key)
+        if not h.segment:
+            return [torch.empty(tuple(s), dtype=dtype_from_name(d)) for d, s in zip(h.dtypes, h.shapes, strict=True)]
+        seg = self._map(h.segment)
+        if seg.issued(h.slot) != h.ticket:
+            raise ShmRelayError(
+                f"shm relay: handle of request {h.request_id} is stale: its sender reclaimed the "
+                "slot (the request was cleaned up or aborted)"
+            )
+        out = []
+        for dt, shape, offset in zip(h.dtypes, h.shapes, h.offsets, strict=True):
+            dtype = dtype_from_name(dt)
+            size = dtype.itemsize * _numel(shape)
+            if size == 0:
+                out.append(torch.empty(tuple(shape), dtype=dtype))
+                continue
+            start = h.base + offset
+            out.append(seg.data[start : start + size].view(dtype).view(tuple(shape)))
+        self._held[key] = h.request_id
+        return out
+
+    def _map(self, name: str) -> Segment:
+        seg = self._maps.get(name)
+        if seg is None:
+            seg = self._maps[name] = Segment.open(name)
+            seg.set_receiver(os.getpid())
+        return seg
+
+    def release(self, handle: bytes) -> None:
+        key = bytes(handle)
+        self._held.pop(key, None)
+        h = _decode(key)
+        if not h.segment:
+            return
+        seg = self._maps.get(h.segment)
+        if seg is None:
+            try:
+                seg = self._map(h.segment)
+            except ShmRelayError:
+                return  # the sender already dropped it
+        seg.release(h.slot, h.ticket)
+        if seg.kind == ONEOFF:
+            self._maps.pop(h.segment).close()
+
+    # -- both -----------------------------------------------------------------------------------
+
+    def cleanup(self, request_id: int) -> None:
+        for key in [k for k, rid in self._held.items() if rid == request_id]:
+            self.release(key)
+        for pool in self._pools.values():
+            pool.abandon(request_id)
+        for big in self._oneoffs.values():
+            big.abandon(request_id)
+
+    def close(self) -> None:
+        self._closed = True
+        for pool in self._pools.values():
+            pool.seg.unlink()
+            pool.seg.close()
+        for big in self._oneoffs.values():
+            for name in list(big.live):
+                big.drop(name)
+        for seg in self._maps.values():
+            seg.close()
+        self._pools.clear()
+        self._oneoffs.clear()
+        self._maps.clear()
+        self._held.clear()
+
+    @classmethod
+    def sweep(cls, run_id: str | None = None) -> list[str]:
+        return sweep(run_id)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
