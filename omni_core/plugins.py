@@ -28,7 +28,16 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError
-from .registry import FUNCTION_KINDS, HOOK_KINDS, BrokenPlugin, Entry, Registry
+from .registry import (
+    FUNCTION_KINDS,
+    HOOK_KINDS,
+    KIND_LABELS,
+    BrokenPlugin,
+    Entry,
+    Registry,
+    normalize_distribution,
+    signature_text,  # noqa: F401  (re-exported: omni_core.plugins.signature_text)
+)
 
 ENTRY_POINT_GROUP = "omni"
 CORE_DISTRIBUTION = "omni-core"
@@ -89,51 +98,63 @@ def _split_env(value: str | None) -> set[str] | None:
     return {part.strip() for part in value.split(",") if part.strip()}
 
 
-def _selected(
+def _skip_reason(
     ep_name: str, dist: str | None, enabled: set[str] | None, disabled: set[str]
-) -> bool:
-    names = {ep_name} | ({dist} if dist else set())
-    if names & disabled:
-        return False
-    if dist == CORE_DISTRIBUTION:
-        return True
-    return enabled is None or bool(names & enabled)
+) -> str | None:
+    """Why the environment keeps this entry point from loading (None: load it)."""
+    names = {ep_name} | ({normalize_distribution(dist)} if dist else set())
+    if names & {normalize_distribution(n) for n in disabled} or ep_name in disabled:
+        return "disabled by OMNI_DISABLED_PLUGINS"
+    if dist and normalize_distribution(dist) == CORE_DISTRIBUTION:
+        return None
+    if enabled is None or ep_name in enabled or names & {normalize_distribution(n) for n in enabled}:
+        return None
+    return "not listed in OMNI_LOAD_PLUGINS"
+
+
+def _is_core(ep: metadata.EntryPoint) -> bool:
+    return ep.dist is not None and normalize_distribution(ep.dist.name) == CORE_DISTRIBUTION
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
+    """Every entry point of the ``omni`` group: omni-core's first, then by name."""
     found: dict[tuple[str, str], metadata.EntryPoint] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         # The same distribution can be visible twice on sys.path (e.g. an editable install and
         # a source checkout); count it once.
-        dist = ep.dist.name if ep.dist else ""
+        dist = normalize_distribution(ep.dist.name) if ep.dist else ""
         found.setdefault((dist, ep.name), ep)
-    return sorted(found.values(), key=lambda ep: (ep.dist.name != CORE_DISTRIBUTION if ep.dist else True, ep.name))
+    return sorted(found.values(), key=lambda ep: (not _is_core(ep), ep.name))
 
 
 def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, PluginError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
-def _unmarked_hooks(plugin: object) -> list[str]:
-    """Functions that look like hooks but lack ``@omni_core.hookimpl`` (pluggy ignores them)."""
-    found = []
-    for attr in dir(plugin):
-        if not attr.startswith("omni_"):
-            continue
-        fn = getattr(plugin, attr, None)
-        if callable(fn) and not hasattr(fn, "omni_impl"):
-            found.append(attr)
-    return found
+def _hook_guess(name: str) -> str:
+    guess = difflib.get_close_matches(name, HOOK_NAMES, n=1)
+    return f" (did you mean {guess[0]!r}?)" if guess else ""
 
 
-def _unknown_hooks(plugin: object) -> list[str]:
+def _hook_problems(plugin: object) -> list[str]:
+    """Marked functions that are not omni hooks (pluggy would only notice at ``check_pending``,
+    failing every plugin at once), and ``omni_register_*`` functions left unmarked (pluggy would
+    silently ignore them)."""
     problems = []
     for attr in dir(plugin):
         fn = getattr(plugin, attr, None)
-        if attr.startswith("omni_") and hasattr(fn, "omni_impl") and attr not in HOOK_NAMES:
-            guess = difflib.get_close_matches(attr, HOOK_NAMES, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
-            problems.append(f"unknown hook {attr!r}{hint}")
+        if not callable(fn) or inspect.isclass(fn):
+            continue
+        marked = hasattr(fn, "omni_impl")
+        if marked and attr not in HOOK_NAMES:
+            problems.append(f"unknown hook {attr!r}{_hook_guess(attr)}; hooks are: {', '.join(HOOK_NAMES)}")
+        elif not marked and attr.startswith("omni_register_"):
+            known = "" if attr in HOOK_NAMES else f"; it is not a hook either{_hook_guess(attr)}"
+            problems.append(
+                f"function {attr!r} looks like a hook but is not marked with @omni_core.hookimpl{known}"
+            )
     return problems
 
 
@@ -168,8 +189,16 @@ class _Collector:
             raise PluginError(
                 f"{where}: {name!r} registered the string {obj!r}; pass the object or a 'package.module:attr' path"
             )
-        if not isinstance(obj, str) and kind not in ("pipeline",) and not callable(obj):
+        if kind == "pipeline":
+            if not isinstance(obj, (str, os.PathLike, Mapping)) and not callable(obj):
+                raise PluginError(
+                    f"{where}: pipeline {name!r} must be a mapping, a file path, a 'package:file.yaml' "
+                    f"string or a callable returning one, got {type(obj).__name__}"
+                )
+        elif not isinstance(obj, str) and not callable(obj):
             raise PluginError(f"{where}: {name!r} must be callable, got {type(obj).__name__}")
+        if any(e.kind == kind and e.name == name for e in self.entries):
+            raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r} is registered twice")
         self.entries.append(Entry(kind=kind, name=name, target=obj, plugin=self.plugin, description=description))
 
 
@@ -178,10 +207,7 @@ def _register_plugin(pm: pluggy.PluginManager, registry: Registry, info: PluginI
 
     A name another plugin already registered is not added: it becomes ambiguous (using it is an
     error naming both plugins) and this plugin's ``error`` says so."""
-    problems = _unknown_hooks(plugin) + [
-        f"function {name!r} looks like a hook but is not marked with @omni_core.hookimpl"
-        for name in _unmarked_hooks(plugin)
-    ]
+    problems = _hook_problems(plugin)
     if problems:
         raise PluginError("; ".join(problems))
     pm.register(plugin, name=info.name)
@@ -190,8 +216,14 @@ def _register_plugin(pm: pluggy.PluginManager, registry: Registry, info: PluginI
     for hook_name in info.hooks:
         collector = _Collector(info.name, hook_name)
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            if impl.plugin is plugin:
+            if impl.plugin is not plugin:
+                continue
+            try:
                 impl.function(register=collector)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"hook {hook_name} raised {type(exc).__name__}: {exc}") from exc
         collected += collector.entries
     clashes = []
     for entry in collected:
@@ -234,18 +266,21 @@ def load_plugins(
     candidates: list[tuple[PluginInfo, Callable[[], object]]] = []
     for ep in _entry_points():
         dist = ep.dist.name if ep.dist else None
-        if not _selected(ep.name, dist, enabled, disabled):
+        reason = _skip_reason(ep.name, dist, enabled, disabled)
+        if reason is not None:
+            registry.skipped.append(f"plugin {ep.name!r} ({reason})")
             continue
         info = PluginInfo(
             name=ep.name,
             module=ep.value,
             distribution=dist,
             version=ep.dist.version if ep.dist else None,
-            builtin=dist == CORE_DISTRIBUTION,
+            builtin=_is_core(ep),
         )
         candidates.append((info, ep.load))
     for name, obj in extra:
         if name in disabled:
+            registry.skipped.append(f"plugin {name!r} (disabled by OMNI_DISABLED_PLUGINS)")
             continue
         info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
         candidates.append((info, lambda obj=obj: obj))
@@ -253,13 +288,17 @@ def load_plugins(
     for info, load in candidates:
         infos.append(info)
         if pm.has_plugin(info.name):
-            info.error = f"another plugin is already loaded under the name {info.name!r}"
+            other = next(i for i in infos if i.name == info.name and i is not info)
+            info.error = (
+                f"another plugin is already loaded under the name {info.name!r}"
+                f" (module {other.module}, distribution {other.distribution or '-'})"
+            )
             registry.broken.append(BrokenPlugin(info.name, info.distribution, info.error))
             continue
         try:
             plugin = load()
             _register_plugin(pm, registry, info, plugin)
-        except Exception as exc:  # a broken plugin is recorded, never fatal
+        except (Exception, SystemExit) as exc:  # a broken plugin is recorded, never fatal
             info.error = _error_text(exc)
             info.registered = {}
             if pm.has_plugin(info.name):
@@ -289,11 +328,3 @@ def reset_plugins() -> None:
     """Forget the loaded plugins (tests; after installing a package at run time)."""
     global _loaded
     _loaded = None
-
-
-def signature_text(obj: Any) -> str:
-    """``Name(a, b=1)``, for messages about arguments."""
-    try:
-        return f"{getattr(obj, '__qualname__', repr(obj))}{inspect.signature(obj)}"
-    except (TypeError, ValueError):
-        return repr(obj)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,6 +51,11 @@ HOOK_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def normalize_distribution(name: str) -> str:
+    """A distribution name as packaging compares them: lower case, runs of ``-_.`` as ``-``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def is_dotted_path(ref: str) -> bool:
     """``pkg.mod:attr`` (a module, a colon, an attribute path) rather than a registered name."""
     module, sep, attr = ref.partition(":")
@@ -62,6 +69,10 @@ def import_ref(ref: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise PluginError(f"cannot import module {module_name!r} of {ref!r}: {exc}") from exc
+    except Exception as exc:  # the module itself raised while being imported
+        raise PluginError(
+            f"importing module {module_name!r} of {ref!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -80,8 +91,8 @@ def check_dotted_path(ref: str) -> str | None:
     module_name = ref.partition(":")[0]
     try:
         spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        return f"cannot find module {module_name!r} of {ref!r}: {exc}"
+    except Exception as exc:  # a parent package failed to import, or the name is malformed
+        return f"cannot find module {module_name!r} of {ref!r}: {type(exc).__name__}: {exc}"
     if spec is None:
         return f"cannot find module {module_name!r} of {ref!r}; is its package installed?"
     return None
@@ -100,9 +111,12 @@ class Entry:
     _loaded: Any = attrs.field(default=None, repr=False)
 
     def load(self) -> Any:
-        """The registered object, importing it first when it was registered as a dotted path."""
+        """The registered object, importing it first when it was registered as a dotted path.
+
+        A pipeline's string is returned as it is: it may name a file shipped in a package
+        (``"acme_omni:demo.yaml"``), which the config loader reads."""
         if self._loaded is None:
-            if isinstance(self.target, str) and is_dotted_path(self.target):
+            if isinstance(self.target, str) and is_dotted_path(self.target) and self.kind != "pipeline":
                 try:
                     self._loaded = import_ref(self.target)
                 except PluginError as exc:
@@ -140,6 +154,8 @@ class Registry:
         self._entries: dict[tuple[str, str], Entry] = {}
         self._conflicts: dict[tuple[str, str], list[Entry]] = {}
         self.broken: list[BrokenPlugin] = []
+        #: Plugins the environment kept from loading, each as "plugin 'x' (why)".
+        self.skipped: list[str] = []
 
     # -- filling ------------------------------------------------------------------------------
 
@@ -211,14 +227,17 @@ class Registry:
                 b.describe() for b in suspects
             )
         text = f"unknown {label} {name!r}"
+        other = self._other_function_kind(name, kind) if kind in FUNCTION_KINDS else None
         guess = _closest(name, known)
-        if guess:
-            text += f" (did you mean {guess!r}?)"
-        elif kind in FUNCTION_KINDS and (other := self._other_function_kind(name, kind)):
+        if other:
             text += f" ({name!r} is registered as a {other} function, not a {kind} function)"
+        elif guess:
+            text += f" (did you mean {guess!r}?)"
         text += f"; known: {', '.join(known) if known else '(none registered)'}"
         if self.broken:
             text += "; note: " + "; ".join(b.describe() for b in self.broken)
+        if self.skipped:
+            text += "; not loaded: " + ", ".join(self.skipped)
         return text
 
     def _other_function_kind(self, name: str, kind: str) -> str | None:
@@ -228,7 +247,21 @@ class Registry:
     def _might_provide(broken: BrokenPlugin, name: str) -> bool:
         owners = {broken.name.lower()}
         if broken.distribution:
-            dist = broken.distribution.lower().replace("_", "-")
-            owners |= {dist, dist.removeprefix("omni-").replace("-", "_")}
+            dist = normalize_distribution(broken.distribution)
+            short = dist.removeprefix("omni-").removesuffix("-omni")
+            owners |= {dist, dist.replace("-", "_"), short, short.replace("-", "_")}
         head = name.split(".", 1)[0].lower()
         return name.lower() in owners or head in owners
+
+
+def signature_text(obj: Any) -> str:
+    """``Name(a, b=1)``, for messages about arguments."""
+    name = getattr(obj, "__qualname__", repr(obj))
+    try:
+        return f"{name}{inspect.signature(obj, eval_str=True)}"
+    except Exception:  # string annotations that do not evaluate: show them as written
+        pass
+    try:
+        return f"{name}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        return repr(obj)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from . import err, out, plugins_app
 
@@ -41,11 +42,17 @@ def plugins_list(
     for info in infos:
         registered = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(info.registered.items()))
         hooks = "\n".join(h.removeprefix("omni_register_") for h in info.hooks)
-        status = f"[red]error: {info.error}[/red]" if info.error else ("[green]ok[/green]" + (" (built-in)" if info.builtin else ""))
-        table.add_row(info.name, info.distribution or "-", info.version or "-", hooks or "-", registered or "-", status)
+        if info.error:
+            status = Text(f"error: {info.error}", style="red")
+        else:
+            status = Text("ok" + (" (built-in)" if info.builtin else ""), style="green")
+        # Plain Text cells: names and errors are shown as they are, never read as rich markup.
+        cells = (info.name, info.distribution or "-", info.version or "-", hooks or "-", registered or "-")
+        table.add_row(*(Text(c) for c in cells), status)
     out.print(table)
     broken = [i for i in infos if i.error]
     if broken:
-        err.print(f"{len(broken)} plugin(s) with errors; names they would provide are unavailable.")
-
-
+        err.print(
+            f"{len(broken)} plugin(s) with errors; names they would provide are unavailable.",
+            markup=False, highlight=False,
+        )

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+from plugin_fixtures import AcmePlugin, TestLauncher, forget_test_modules, make_plugin_site
+
+from omni_core.plugins import load_plugins, reset_plugins
+from omni_core.registry import Entry, Registry
+
+TESTS = Path(__file__).parent
+CONFIGS = TESTS / "configs"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_plugins(monkeypatch):
+    """No test sees the OMNI_* settings of the shell that runs pytest, nor a registry loaded by
+    an earlier test."""
+    for key in [k for k in os.environ if k.startswith("OMNI_")]:
+        monkeypatch.delenv(key)
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+@pytest.fixture(scope="session")
+def plugin_site_dir(tmp_path_factory) -> Path:
+    """A site directory with every test distribution of ``plugin_fixtures`` installed."""
+    return make_plugin_site(tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture
+def plugin_site(plugin_site_dir, monkeypatch) -> Path:
+    """The test distributions, visible to ``importlib.metadata`` in this process."""
+    forget_test_modules()
+    monkeypatch.syspath_prepend(str(plugin_site_dir))
+    importlib.invalidate_caches()
+    yield plugin_site_dir
+    forget_test_modules()
+
+
+@pytest.fixture
+def load(plugin_site):
+    """``load("good,broken")``: load omni-core's plugins plus the named test distributions."""
+
+    def _load(selected: str = "", **env: str):
+        return load_plugins(env={"OMNI_LOAD_PLUGINS": selected, **env})
+
+    return _load
+
+
+def ensure_local_launcher(registry: Registry) -> Registry:
+    """Config defaults name the 'local' launcher; register a stand-in when omni-core does not
+    provide one yet, so config tests do not depend on the runtime."""
+    if "local" not in registry.names("launcher"):
+        registry.add(Entry(kind="launcher", name="local", target=TestLauncher, plugin="tests"))
+    return registry
+
+
+@pytest.fixture
+def registry() -> Registry:
+    """omni-core's built-ins plus the in-tree 'acme' plugin; no third-party plugin."""
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("acme", AcmePlugin())])
+    assert not [i.error for i in plugins.infos if i.error]
+    return ensure_local_launcher(plugins.registry)
