@@ -97,3 +97,129 @@ def tensor_total(payload):
 
 def make_tensor(payload):
     return torch.tensor(payload)
+
+
+class Mutate:
+    """Appends its name to payload['seen'] in place (to show fan-out isolation)."""
+
+    def __init__(self, stage_name: str = ""):
+        self.stage_name = stage_name
+
+    def __call__(self, payload, ctx):
+        payload["seen"].append(self.stage_name)
+        return payload
+
+
+class Env:
+    def __call__(self, payload, ctx):
+        return {key: os.environ.get(key) for key in payload["keys"]}
+
+
+class Unencodable:
+    def __call__(self, payload, ctx):
+        if payload.get("bad"):
+            return {"ok": 1, "bad": object()}
+        return {"ok": 1}
+
+
+class Echo:
+    async def __call__(self, payload, ctx):
+        return payload
+
+
+class StreamThenReturn:
+    """Emits n chunks to its stream_to targets, then returns its payload."""
+
+    async def __call__(self, payload, ctx):
+        for i in range(payload.get("n", 3)):
+            await ctx.emit({"i": i})
+        return payload
+
+
+class Concurrency:
+    """Reports how many calls of this stage ran at once at most."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+
+    async def __call__(self, payload, ctx):
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        await asyncio.sleep(payload.get("sleep", 0.05))
+        self.now -= 1
+        return {"peak": self.peak}
+
+
+class AbortAware:
+    """A sync stage that loops until it sees ctx.aborted, then records it in a file."""
+
+    def __call__(self, payload, ctx):
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            if ctx.aborted:
+                with open(payload["marker"], "w") as f:
+                    f.write("aborted")
+                return payload
+            time.sleep(0.01)
+        return payload
+
+
+class BadFactory:
+    def __init__(self):
+        raise ValueError("cannot load the model weights")
+
+
+class Crash:
+    def __call__(self, payload, ctx):
+        if payload.get("crash"):
+            os._exit(3)
+        return payload
+
+
+def route_by_field(request_id, payload):
+    return payload["route"]
+
+
+def route_raises(request_id, payload):
+    raise RuntimeError("route exploded")
+
+
+def route_unknown(request_id, payload):
+    return "nowhere"
+
+
+def merge_raises(payloads):
+    raise RuntimeError("merge exploded")
+
+
+def wait_for_named(request_id, from_stage, payload):
+    return payload.get("wait")
+
+
+def wait_for_raises(request_id, from_stage, payload):
+    raise RuntimeError("wait_for exploded")
+
+
+def project_len(payload):
+    return {"len": len(payload["text"])}
+
+
+def project_raises(payload):
+    raise RuntimeError("projection exploded")
+
+
+def stream_done_none(request_id, payload):
+    return payload.get("done_to")
+
+
+def stream_done_raises(request_id, payload):
+    raise RuntimeError("stream_done exploded")
+
+
+def terminals_from_inputs(inputs):
+    return inputs.get("terminals")
+
+
+def terminals_raises(inputs):
+    raise RuntimeError("terminal_stages exploded")
