@@ -12,8 +12,19 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from ..config.schema import PipelineConfig, RelayConfig, StageConfig
+from ..errors import ConfigError, ConfigIssue
 from ..registry import Registry
-from .placement import Device, Placement, detect_devices, place, simulated_devices
+from .placement import (
+    Device,
+    GpuLoad,
+    Placement,
+    detect_devices,
+    gpu_loads,
+    place,
+    placement_warnings,
+    request_from_config,
+    simulated_devices,
+)
 
 #: The pseudo-relay of edges inside one process: payloads pass as Python objects.
 OBJECT_RELAY = "object"
@@ -24,8 +35,14 @@ class ProcessSpec:
     """One OS process: the stages it hosts, where it runs, and its environment.
 
     ``name`` is unique in the plan (``group``, plus ``#r`` for a replica, plus ``.rank`` for TP
-    ranks). ``env`` holds defaults the operator's environment overrides; ``forced_env`` holds what
-    placement requires (device visibility) and wins. ``leader`` is set on TP followers.
+    ranks). ``env`` holds defaults the operator's environment overrides (``env_defaults``, thread
+    settings); ``forced_env`` holds what the config and placement require and wins over the
+    operator's environment (the stages' ``env``, ``OMP_NUM_THREADS`` when ``threads`` is set,
+    ``CUDA_VISIBLE_DEVICES``). ``leader`` is set on TP followers (the name of rank 0).
+
+    ``gpu`` is the placement id (an index into the operator's ``CUDA_VISIBLE_DEVICES`` when it is
+    set); ``physical_gpu`` is the entry the process is given as its only visible device, so it
+    always uses ``cuda:0``. A process on the CPU gets ``CUDA_VISIBLE_DEVICES=""``.
     """
 
     name: str
@@ -39,6 +56,7 @@ class ProcessSpec:
     forced_env: dict[str, str] = attrs.field(factory=dict)
     threads: int = 1
     leader: str | None = None
+    physical_gpu: str | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -47,6 +65,24 @@ class ProcessSpec:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu is None else "cuda:0"
+
+    @property
+    def injected(self) -> dict[str, object]:
+        """The values the runtime passes to a stage factory that declares them by name (besides
+        ``stage_name`` and ``tp_init_method``): ``device`` (``cuda:0`` or ``cpu``), ``gpu_id``
+        (the torch index of the process's GPU, so 0, or None on the CPU), ``tp_rank``,
+        ``tp_size``."""
+        return {
+            "device": self.device,
+            "gpu_id": None if self.gpu is None else 0,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+        }
+
+    def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The complete environment of the process: ``env`` under the operator's ``environ``
+        under ``forced_env``."""
+        return {**self.env, **environ, **self.forced_env}
 
 
 @attrs.frozen
@@ -64,7 +100,11 @@ class EdgeSpec:
 
 @attrs.frozen
 class Plan:
-    """Everything the runtime needs to start a pipeline."""
+    """Everything the runtime needs to start a pipeline.
+
+    ``placement`` has one GPU id (or None) per replica and rank of each stage, replica-major;
+    ``loads`` what each GPU holds; ``simulated`` whether the devices were simulated
+    (``--gpus`` / ``placement.gpus``) rather than detected or given."""
 
     config: PipelineConfig
     processes: tuple[ProcessSpec, ...]
@@ -72,6 +112,8 @@ class Plan:
     placement: Placement
     devices: tuple[Device, ...]
     warnings: tuple[str, ...] = ()
+    loads: tuple[GpuLoad, ...] = ()
+    simulated: bool = False
 
     def process(self, name: str) -> ProcessSpec:
         for proc in self.processes:
@@ -85,6 +127,15 @@ class Plan:
     def processes_of(self, stage: str) -> list[str]:
         """Leader processes hosting ``stage`` (one per replica), in replica order."""
         return [p.name for p in self.processes if p.is_leader and stage in p.stages]
+
+    def group(self, name: str) -> list[ProcessSpec]:
+        """Every process of the process group ``name`` (replicas and TP ranks), in order."""
+        return [p for p in self.processes if p.group == name]
+
+    @property
+    def groups(self) -> list[str]:
+        """Process group names in config order."""
+        return list(dict.fromkeys(p.group for p in self.processes))
 
     def edge(self, src: str, dst: str, kind: str = "next") -> EdgeSpec:
         for edge in self.edges:
@@ -104,28 +155,86 @@ def _default_threads(process_count: int, cores: int) -> int:
     return max(1, cores // max(1, process_count))
 
 
-def build_processes(cfg: PipelineConfig, placement: Placement, *, cores: int | None = None) -> list[ProcessSpec]:
-    """One spec per process: shared-process groups, replicas, and one process per TP rank."""
+def visible_devices(environ: Mapping[str, str]) -> list[str] | None:
+    """The entries of the operator's ``CUDA_VISIBLE_DEVICES`` (ids, ``GPU-…``/``MIG-…`` UUIDs),
+    or None when it is not set."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def physical_gpu(gpu: int, visible: Sequence[str] | None, *, stage: str, path: str) -> str:
+    """What a process placed on ``gpu`` gets as its ``CUDA_VISIBLE_DEVICES``: the ``gpu``-th
+    entry of the operator's list, else ``gpu`` itself. A ConfigError when the list is shorter."""
+    if visible is None:
+        return str(gpu)
+    if gpu < len(visible):
+        return visible[gpu]
+    raise ConfigError([ConfigIssue(
+        path,
+        f"stage {stage!r} is placed on GPU {gpu}, but CUDA_VISIBLE_DEVICES={','.join(visible)!r} makes only "
+        f"{len(visible)} GPU{'s' if len(visible) != 1 else ''} visible",
+        "placement ids index into CUDA_VISIBLE_DEVICES; widen it, or plan with fewer GPUs",
+    )])
+
+
+def default_env(cfg: PipelineConfig, threads: int) -> dict[str, str]:
+    """What a process gets unless the operator's environment says otherwise."""
+    return {
+        **{k: str(v) for k, v in cfg.env_defaults.items()},
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
+def forced_env(head: StageConfig, gpu: int | None, physical: str | None) -> dict[str, str]:
+    """What a process gets whatever the operator's environment says: the stage's ``env``, an
+    explicit ``threads``, and device visibility (``OMNI_GPU_ID`` is the placement id)."""
+    forced = dict(head.env)
+    if head.threads:
+        forced["OMP_NUM_THREADS"] = str(head.threads)
+    if gpu is None:
+        forced["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        forced |= {"CUDA_VISIBLE_DEVICES": physical or str(gpu), "OMNI_GPU_ID": str(gpu)}
+    return forced
+
+
+def _gpu_of(placement: Placement, stage: StageConfig, replica: int, rank: int) -> int | None:
+    ids = placement[stage.name]
+    return ids[rank] if len(ids) == stage.tp_size else ids[replica * stage.tp_size + rank]
+
+
+def build_processes(
+    cfg: PipelineConfig,
+    placement: Placement,
+    *,
+    cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[ProcessSpec]:
+    """One spec per process: shared-process groups, replicas, and one process per TP rank.
+
+    ``environ`` is the operator's environment (only ``CUDA_VISIBLE_DEVICES`` is read; None: an
+    empty one). ``cores`` defaults to this machine's CPU count; each process gets
+    ``cores // processes`` threads unless its stage sets ``threads``."""
     cores = cores or os.cpu_count() or 1
+    visible = visible_devices(environ or {})
     groups = _groups(cfg)
     count = sum(s[0].replicas * s[0].tp_size for s in groups.values())
     procs: list[ProcessSpec] = []
     for group, stages in groups.items():
         head = stages[0]
         threads = head.threads or _default_threads(count, cores)
-        env = {
-            **{k: str(v) for k, v in cfg.env_defaults.items()},
-            "OMP_WAIT_POLICY": "PASSIVE",
-            "OMP_NUM_THREADS": str(threads),
-            **head.env,
-        }
+        env = default_env(cfg, threads)
+        path = f"stages[{cfg.stage_names.index(head.name)}].gpu"
         for replica in range(head.replicas):
             base = group if head.replicas == 1 else f"{group}#{replica}"
             leader = None
             for rank in range(head.tp_size):
-                gpu = placement[head.name][rank]
+                gpu = _gpu_of(placement, head, replica, rank)
+                physical = None if gpu is None else physical_gpu(gpu, visible, stage=head.name, path=path)
                 name = base if head.tp_size == 1 else f"{base}.{rank}"
-                forced = {} if gpu is None else {"OMNI_GPU_ID": str(gpu)}
                 procs.append(
                     ProcessSpec(
                         name=name,
@@ -136,9 +245,10 @@ def build_processes(cfg: PipelineConfig, placement: Placement, *, cores: int | N
                         tp_size=head.tp_size,
                         gpu=gpu,
                         env=env,
-                        forced_env=forced,
+                        forced_env=forced_env(head, gpu, physical),
                         threads=threads,
                         leader=leader,
+                        physical_gpu=physical,
                     )
                 )
                 leader = leader or name
@@ -190,6 +300,20 @@ def build_edges(cfg: PipelineConfig, processes: Sequence[ProcessSpec], registry:
     return edges
 
 
+def resolve_devices(
+    cfg: PipelineConfig, *, gpus: int | None = None, devices: Sequence[Device] | None = None
+) -> tuple[tuple[Device, ...], bool]:
+    """The devices to plan for and whether they are simulated: ``devices`` when given, else
+    ``gpus`` simulated ones, else ``placement.gpus`` simulated ones, else what torch sees.
+    Simulated devices have ``placement.memory_per_gpu`` bytes (None: unknown)."""
+    if devices is not None:
+        return tuple(devices), False
+    count = gpus if gpus is not None else cfg.placement.gpus
+    if count is not None:
+        return simulated_devices(count, cfg.placement.memory_per_gpu), True
+    return detect_devices(cfg.placement.memory_per_gpu), False
+
+
 def build_plan(
     cfg: PipelineConfig,
     registry: Registry,
@@ -197,20 +321,28 @@ def build_plan(
     gpus: int | None = None,
     devices: Sequence[Device] | None = None,
     cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Plan:
-    """The whole plan. ``gpus`` simulates that many devices (else ``placement.gpus``, else what
-    torch sees); ``devices`` gives them explicitly (tests)."""
-    if devices is None:
-        count = gpus if gpus is not None else cfg.placement.gpus
-        devices = (
-            simulated_devices(count, cfg.placement.memory_per_gpu)
-            if count is not None
-            else detect_devices(cfg.placement.memory_per_gpu)
-        )
+    """The whole plan of a validated config. ``gpus`` simulates that many devices (else
+    ``placement.gpus``, else what torch sees); ``devices`` gives them explicitly (tests).
+    ``environ`` is the operator's environment, read for ``CUDA_VISIBLE_DEVICES`` (None: this
+    process's ``os.environ``). Raises ConfigError when the placement is invalid."""
+    devices, simulated = resolve_devices(cfg, gpus=gpus, devices=devices)
     placement = place(cfg, registry, devices)
-    processes = build_processes(cfg, placement, cores=cores)
+    request = request_from_config(cfg, devices)
+    environ = os.environ if environ is None else environ
+    processes = build_processes(cfg, placement, cores=cores, environ=environ)
     edges = build_edges(cfg, processes, registry)
-    return Plan(config=cfg, processes=tuple(processes), edges=tuple(edges), placement=placement, devices=tuple(devices))
+    return Plan(
+        config=cfg,
+        processes=tuple(processes),
+        edges=tuple(edges),
+        placement=placement,
+        devices=devices,
+        warnings=tuple(placement_warnings(request, placement)),
+        loads=gpu_loads(request, placement),
+        simulated=simulated,
+    )
 
 
 def endpoints(plan: Plan, runtime_dir: str) -> Mapping[str, str]:
