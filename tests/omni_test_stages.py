@@ -223,3 +223,8 @@ def terminals_from_inputs(inputs):
 
 def terminals_raises(inputs):
     raise RuntimeError("terminal_stages exploded")
+
+
+def stream_done_by_request_id(request_id, payload):
+    """End the stream for 'collect' only when the request id says so."""
+    return "collect" if request_id.startswith("done") else None

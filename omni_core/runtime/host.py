@@ -306,23 +306,33 @@ class Host:
             else:
                 self.stages[target].on_chunk(rid, stage.name, obj, Inbound())
 
-    async def forward(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
-        """Route a finished call's result: to ``next`` (through ``route_fn`` and projections),
-        and to the coordinator when the stage is terminal."""
+    async def finish(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
+        """Hand a finished call's result on. Every user function (route, projections,
+        stream_done) runs before anything is sent, so a failing one fails the request without
+        half of its outputs already downstream. Then: the result to the coordinator when the
+        stage is terminal, the payloads to ``next``, the end of its streams."""
         cfg = stage.cfg
-        if cfg.terminal:
-            skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-            await self._send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
-        if not cfg.next:
-            return
         targets = list(cfg.next)
         if stage.fns.route is not None:
             targets = _names(stage.fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
+        payloads = {t: (stage.fns.project[t](result) if t in stage.fns.project else result) for t in targets}
+        done_to = list(cfg.stream_to)
+        if cfg.stream_to and stage.fns.stream_done is not None:
+            answer = stage.fns.stream_done(request_id, result)
+            done_to = [] if answer is None else _names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
+        if cfg.terminal:
+            skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
+            await self._send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
         dropped = [t for t in cfg.next if t not in targets]
         if dropped:
             await self.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
-        payloads = {t: (stage.fns.project[t](result) if t in stage.fns.project else result) for t in targets}
-        await self._deliver("work", stage, rid, request_id, targets, payloads)
+        if targets:
+            await self._deliver("work", stage, rid, request_id, targets, payloads)
+        for target in done_to:
+            if self.boot.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
+                self.stages[target].on_stream_end(rid, cfg.name)
+            else:
+                await self.outbox.send(self._target_address(target, rid), wire.StreamEnd(rid, target, cfg.name))
 
     async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
         """A chunk goes to every ``stream_to`` stage and, when the stage is terminal, to the
@@ -335,20 +345,6 @@ class Host:
         if cfg.terminal:
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self._send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
-
-    async def end_streams(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
-        cfg = stage.cfg
-        if not cfg.stream_to:
-            return
-        targets = list(cfg.stream_to)
-        if stage.fns.stream_done is not None:
-            answer = stage.fns.stream_done(request_id, result)
-            targets = [] if answer is None else _names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
-        for target in targets:
-            if self.boot.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
-                self.stages[target].on_stream_end(rid, cfg.name)
-            else:
-                await self.outbox.send(self._target_address(target, rid), wire.StreamEnd(rid, target, cfg.name))
 
     @staticmethod
     def copy_out(result: Any, storages: set[int]) -> Any:

@@ -67,7 +67,7 @@ class StageFunctions:
 
 
 def _is_async_callable(obj: Any) -> bool:
-    return inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(getattr(obj, "__call__", None))
+    return inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(type(obj).__call__)
 
 
 class StageRuntime:
@@ -192,8 +192,7 @@ class StageRuntime:
                     inbound.merge(stream_inbound)
                 if inbound.storages:
                     result = self.host.copy_out(result, inbound.storages)
-                await self.host.forward(self, rid, request_id, result)
-                await self.host.end_streams(self, rid, request_id, result)
+                await self.host.finish(self, rid, request_id, result)
         except asyncio.CancelledError:
             ctx._aborted = True
         except Exception as exc:
