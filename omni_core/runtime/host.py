@@ -65,6 +65,16 @@ class Bootstrap:
     stateful: bool = False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit when the parent dies, even if it was SIGKILLed (no orphans)."""
     with contextlib.suppress(Exception):
@@ -72,16 +82,11 @@ def _watch_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: our direct parent (the forkserver) died
 
     def watch() -> None:
-        while True:
+        while _alive(parent_pid):
             time.sleep(0.25)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(3)
-                os._exit(1)
-            except PermissionError:
-                pass
+        os.kill(os.getpid(), signal.SIGTERM)  # a clean shutdown frees relay memory ...
+        time.sleep(3)
+        os._exit(1)  # ... unless user code blocks it
 
     threading.Thread(target=watch, name="omni-parent-watch", daemon=True).start()
 
@@ -396,6 +401,12 @@ class Host:
         address = self.boot.addresses[self.spec.name]
         with contextlib.suppress(OSError):
             os.unlink(address.removeprefix("ipc://"))
+        if not _alive(self.boot.parent_pid):
+            # Orphaned (the parent was killed): nobody else will remove the runtime dir.
+            with contextlib.suppress(OSError):
+                os.unlink(self.coordinator.removeprefix("ipc://"))
+            with contextlib.suppress(OSError):
+                os.rmdir(self.boot.runtime_dir)
 
 
 def _apply_env(boot: Bootstrap) -> None:

@@ -1,0 +1,146 @@
+"""Supervision: a dead stage process fails its requests at once; restart policy; children die
+with their parent; stop() leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage  # noqa: F401
+
+from omni_core import Pipeline, ProcessDied
+from omni_core.errors import PipelineClosed
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+
+def test_sigkill_of_a_stage_fails_requests_in_flight_within_two_seconds_and_stops_the_pipeline():
+    cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True))
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            tasks = [asyncio.ensure_future(p.submit({"sleep": 30})) for _ in range(5)]
+            await asyncio.sleep(0.3)
+            victim = p.pids()["s"]
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            elapsed = time.monotonic() - killed_at
+            await asyncio.sleep(0.2)
+            with pytest.raises(PipelineClosed, match="died"):
+                await p.submit({"sleep": 0})
+            return results, elapsed, victim
+
+    results, elapsed, victim = arun(body(), timeout=30)
+    assert elapsed < 2.0
+    for error in results:
+        assert isinstance(error, ProcessDied)
+        assert error.process == "s" and error.pid == victim and error.signal == "SIGKILL"
+        assert "stages: s" in str(error)
+
+
+def test_restart_on_failure_brings_the_process_back_a_bounded_number_of_times():
+    cfg = pipeline(stage("c", "Crash", terminal=True), restart={"policy": "on-failure", "max_restarts": 1})
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            first_pid = p.pids()["c"]
+            with pytest.raises(ProcessDied) as info:
+                await p.submit({"crash": True})
+            assert info.value.exitcode == 3
+            for _ in range(200):
+                if p.running and p.pids()["c"] != first_pid:
+                    break
+                await asyncio.sleep(0.05)
+            assert await p.submit({"ok": 1}) == {"ok": 1}
+            with pytest.raises(ProcessDied):
+                await p.submit({"crash": True})
+            await asyncio.sleep(0.5)
+            with pytest.raises(PipelineClosed):
+                await p.submit({"ok": 2})
+
+    arun(body(), timeout=60)
+
+
+PARENT = textwrap.dedent("""
+    import asyncio, json, sys
+    sys.path.insert(0, {tests!r})
+    from omni_core import Pipeline
+    from runtime_helpers import pipeline, stage
+
+    async def main():
+        cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True), name="orphans")
+        async with Pipeline(cfg) as p:
+            asyncio.ensure_future(p.submit({{"sleep": 60}}))
+            print(json.dumps({{"pids": list(p.pids().values()), "dir": p.runtime_dir}}), flush=True)
+            await asyncio.sleep(120)
+
+    asyncio.run(main())
+""")
+
+
+def test_children_exit_when_the_parent_is_sigkilled():
+    tests = os.path.dirname(__file__)
+    proc = subprocess.Popen([sys.executable, "-c", PARENT.format(tests=tests)], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert all(pid in descendants(proc.pid) for pid in info["pids"])
+        proc.kill()
+        proc.wait(5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in info["pids"]):
+            time.sleep(0.1)
+        left = [pid for pid in info["pids"] if os.path.exists(f"/proc/{pid}") and _not_zombie(pid)]
+        assert not left, f"stage processes outlived their parent: {left}"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and os.path.exists(info["dir"]):
+            time.sleep(0.1)
+        assert not os.path.exists(info["dir"])
+    finally:
+        proc.kill()
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_escalates_when_a_stage_ignores_shutdown():
+    cfg = pipeline(stage("b", "Busy", terminal=True), limits={"stop_timeout": 0.5})
+
+    async def body():
+        p = Pipeline(cfg)
+        await p.start()
+        task = asyncio.ensure_future(p.submit({"busy": 30}))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        await p.stop()
+        with pytest.raises(Exception):
+            await task
+        return time.monotonic() - start
+
+    assert arun(body(), timeout=30) < 8
+
+
+def test_runtime_dirs_of_killed_runs_are_swept_at_the_next_start(tmp_path):
+    stale = tmp_path / "omni-run-999999999-abc"
+    stale.mkdir()
+    cfg = pipeline(stage("a", "Echo", terminal=True), endpoints={"ipc_dir": str(tmp_path)})
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            return await p.submit({"x": 1})
+
+    assert arun(body()) == {"x": 1}
+    assert not stale.exists()
+    assert not runtime_dirs() & {str(stale)}
