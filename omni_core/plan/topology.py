@@ -35,10 +35,10 @@ class ProcessSpec:
     """One OS process: the stages it hosts, where it runs, and its environment.
 
     ``name`` is unique in the plan (``group``, plus ``#r`` for a replica, plus ``.rank`` for TP
-    ranks). ``env`` holds defaults the operator's environment overrides (``env_defaults``, thread
-    settings); ``forced_env`` holds what the config and placement require and wins over the
-    operator's environment (the stages' ``env``, ``OMP_NUM_THREADS`` when ``threads`` is set,
-    ``CUDA_VISIBLE_DEVICES``). ``leader`` is set on TP followers (the name of rank 0).
+    ranks). ``env`` holds what the config asks for, which the operator's environment overrides:
+    ``env_defaults``, thread settings, then the stage's ``env``. ``forced_env`` holds what
+    placement requires (``CUDA_VISIBLE_DEVICES``, ``OMNI_GPU_ID``) and wins over both. ``leader``
+    is set on TP followers (the name of rank 0).
 
     ``gpu`` is the placement id (an index into the operator's ``CUDA_VISIBLE_DEVICES`` when it is
     set); ``physical_gpu`` is the entry the process is given as its only visible device, so it
@@ -179,26 +179,24 @@ def physical_gpu(gpu: int, visible: Sequence[str] | None, *, stage: str, path: s
     )])
 
 
-def default_env(cfg: PipelineConfig, threads: int) -> dict[str, str]:
-    """What a process gets unless the operator's environment says otherwise."""
+def config_env(cfg: PipelineConfig, head: StageConfig, threads: int) -> dict[str, str]:
+    """What the config asks for, in increasing precedence: ``env_defaults``, thread settings
+    (``OMP_WAIT_POLICY=PASSIVE``, ``OMP_NUM_THREADS``), the stage's ``env``. The operator's
+    environment overrides all of it."""
     return {
         **{k: str(v) for k, v in cfg.env_defaults.items()},
         "OMP_WAIT_POLICY": "PASSIVE",
         "OMP_NUM_THREADS": str(threads),
+        **head.env,
     }
 
 
-def forced_env(head: StageConfig, gpu: int | None, physical: str | None) -> dict[str, str]:
-    """What a process gets whatever the operator's environment says: the stage's ``env``, an
-    explicit ``threads``, and device visibility (``OMNI_GPU_ID`` is the placement id)."""
-    forced = dict(head.env)
-    if head.threads:
-        forced["OMP_NUM_THREADS"] = str(head.threads)
+def forced_env(gpu: int | None, physical: str | None) -> dict[str, str]:
+    """What placement requires whatever the environment says: the process sees only its GPU
+    (``OMNI_GPU_ID`` is the placement id), or no GPU at all on the CPU."""
     if gpu is None:
-        forced["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        forced |= {"CUDA_VISIBLE_DEVICES": physical or str(gpu), "OMNI_GPU_ID": str(gpu)}
-    return forced
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {"CUDA_VISIBLE_DEVICES": physical or str(gpu), "OMNI_GPU_ID": str(gpu)}
 
 
 def _gpu_of(placement: Placement, stage: StageConfig, replica: int, rank: int) -> int | None:
@@ -226,7 +224,7 @@ def build_processes(
     for group, stages in groups.items():
         head = stages[0]
         threads = head.threads or _default_threads(count, cores)
-        env = default_env(cfg, threads)
+        env = config_env(cfg, head, threads)
         path = f"stages[{cfg.stage_names.index(head.name)}].gpu"
         for replica in range(head.replicas):
             base = group if head.replicas == 1 else f"{group}#{replica}"
@@ -245,7 +243,7 @@ def build_processes(
                         tp_size=head.tp_size,
                         gpu=gpu,
                         env=env,
-                        forced_env=forced_env(head, gpu, physical),
+                        forced_env=forced_env(gpu, physical),
                         threads=threads,
                         leader=leader,
                         physical_gpu=physical,
