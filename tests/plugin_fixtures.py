@@ -378,3 +378,13 @@ class AcmePlugin:
         register("acme.done_to", done_to, kind="stream_done")
         register("acme.wait", wait_for, kind="wait_for")
         register("acme.terminals", terminals, kind="terminal_stages")
+
+
+#: A pipeline given as a mapping, for registrations by dotted path.
+DEMO_PIPELINE = {
+    "name": "fixture-demo",
+    "stages": [
+        {"name": "a", "factory": "acme.upper", "next": "b"},
+        {"name": "b", "factory": "acme.upper", "terminal": True},
+    ],
+}

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import io
 import os
+import re
 import sys
 import typing
 from collections.abc import Mapping
@@ -21,13 +23,45 @@ import cattrs
 import yaml
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from ..errors import ConfigError, ConfigIssue
-from .schema import LauncherConfig, PipelineConfig, RelayConfig, RestartConfig
+from ..errors import ConfigError, ConfigIssue, PluginError
+from ..registry import Registry, import_ref, is_dotted_path
+from .schema import (
+    EndpointsConfig,
+    LauncherConfig,
+    LimitsConfig,
+    PipelineConfig,
+    PlacementConfig,
+    RelayConfig,
+    RestartConfig,
+    StageConfig,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers like YAML 1.2 does: ``2.5e9`` and ``1e9`` are
+    floats (YAML 1.1 wants ``2.5e+9`` and reads ``1e9`` as a string)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -111,18 +145,43 @@ def _port_range(value: Any, _: Any) -> tuple[int, int] | None:
     raise _TypeMismatch("[first_port, last_port] with 0 < first <= last < 65536", value)
 
 
-def _shorthand(conv: cattrs.Converter, cls: type, field: str):
-    """``relay: shm`` means ``relay: {backend: shm}`` (and likewise for launcher, restart)."""
+def _section(conv: cattrs.Converter, cls: type, what: str, shorthand: str | None = None, **overrides: Any):
+    """Structure hook of one config section: a mapping with only the keys of ``cls``.
+
+    With ``shorthand``, a plain string means ``{shorthand: string}`` (``relay: shm`` is short for
+    ``relay: {backend: shm}``; likewise for launcher and restart)."""
     from_dict = cattrs.gen.make_dict_structure_fn(
-        cls, conv, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True
+        cls, conv, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True, **overrides
     )
 
     def hook(value: Any, tp: Any) -> Any:
-        if isinstance(value, str):
-            value = {field: value}
+        if shorthand is not None and isinstance(value, str):
+            value = {shorthand: value}
         if not isinstance(value, Mapping):
-            raise _TypeMismatch(f"a {field} name or a mapping", value)
+            expected = f"a {shorthand} name or a mapping" if shorthand else f"a mapping ({what})"
+            raise _TypeMismatch(expected, value)
         return from_dict(dict(value), cls)
+
+    return hook
+
+
+def _function_map(value: Any, _: Any) -> dict[str, str]:
+    """``project_payload``: target stage → function name."""
+    if not isinstance(value, Mapping):
+        raise _TypeMismatch("a mapping of target stage to function name", value)
+    for key, val in value.items():
+        if not isinstance(val, str):
+            raise _TypeMismatch(f"a function name for target {key!r}", val)
+    return {str(k): v for k, v in value.items()}
+
+
+def _stage_list(conv: cattrs.Converter):
+    items = conv.get_structure_hook(tuple[StageConfig, ...])
+
+    def hook(value: Any, tp: Any) -> tuple[StageConfig, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise _TypeMismatch("a list of stages", value)
+        return items(value, tp)
 
     return hook
 
@@ -149,9 +208,23 @@ def _make_converter() -> cattrs.Converter:
     }
     for tp, hook in exact.items():
         conv.register_structure_hook_func(lambda t, tp=tp: t == tp, hook)
-    conv.register_structure_hook(RelayConfig, _shorthand(conv, RelayConfig, "backend"))
-    conv.register_structure_hook(LauncherConfig, _shorthand(conv, LauncherConfig, "name"))
-    conv.register_structure_hook(RestartConfig, _shorthand(conv, RestartConfig, "policy"))
+    # Sections, leaves first: each generated hook binds the hooks of its fields when it is made.
+    conv.register_structure_hook(RelayConfig, _section(conv, RelayConfig, "relay", shorthand="backend"))
+    conv.register_structure_hook(LauncherConfig, _section(conv, LauncherConfig, "launcher", shorthand="name"))
+    conv.register_structure_hook(RestartConfig, _section(conv, RestartConfig, "restart", shorthand="policy"))
+    conv.register_structure_hook(PlacementConfig, _section(conv, PlacementConfig, "strategy, gpus, ..."))
+    conv.register_structure_hook(EndpointsConfig, _section(conv, EndpointsConfig, "ipc_dir, host, port_range"))
+    conv.register_structure_hook(LimitsConfig, _section(conv, LimitsConfig, "max_in_flight, timeouts, ..."))
+    conv.register_structure_hook(
+        StageConfig,
+        _section(
+            conv, StageConfig, "a stage with at least name and factory",
+            project_payload=cattrs.gen.override(struct_hook=_function_map),
+        ),
+    )
+    stage_list = _stage_list(conv)
+    conv.register_structure_hook_func(lambda t: t == tuple[StageConfig, ...], stage_list)
+    conv.register_structure_hook(PipelineConfig, _section(conv, PipelineConfig, "a pipeline"))
     return conv
 
 
@@ -179,7 +252,7 @@ def _walk(exc: BaseException, path: str, issues: list[ConfigIssue], raw: Any) ->
         for sub in without:
             _walk(sub, path, issues, raw)
         return
-    issues.append(_issue(exc, path, raw))
+    issues.extend(_issues(exc, path, raw))
 
 
 def _child(raw: Any, key: Any) -> Any:
@@ -189,26 +262,28 @@ def _child(raw: Any, key: Any) -> Any:
         return None
 
 
-def _issue(exc: BaseException, path: str, raw: Any) -> ConfigIssue:
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _issues(exc: BaseException, path: str, raw: Any) -> list[ConfigIssue]:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = _field_names(exc.cl)
-        extra = sorted(exc.extra_fields)
-        parts = []
-        for key in extra:
-            guess = difflib.get_close_matches(key, known, n=1)
-            parts.append(f"{key!r}" + (f" (did you mean {guess[0]!r}?)" if guess else ""))
-        return ConfigIssue(
-            path,
-            f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(parts)}",
-            f"allowed keys here: {', '.join(known)}",
-        )
+        issues = []
+        for key in sorted(exc.extra_fields, key=str):
+            guess = difflib.get_close_matches(str(key), known, n=1)
+            issues.append(ConfigIssue(
+                _join(path, str(key)),
+                "unknown key" + (f" (did you mean {guess[0]!r}?)" if guess else ""),
+                f"allowed keys here: {', '.join(known)}",
+            ))
+        return issues
     if isinstance(exc, KeyError):
-        return ConfigIssue(path, "required key is missing", f"add '{path.rsplit('.', 1)[-1]}: ...'")
+        key = path.rsplit(".", 1)[-1]
+        return [ConfigIssue(path, "required key is missing", f"add '{key}: ...'")]
     if isinstance(exc, _TypeMismatch):
-        return ConfigIssue(path, str(exc))
-    if isinstance(exc, ValueError) and "Literal" not in str(exc):
-        return ConfigIssue(path, f"invalid value {_show(raw)}: {exc}")
-    return ConfigIssue(path, f"invalid value {_show(raw)}: {exc}")
+        return [ConfigIssue(path, str(exc))]
+    return [ConfigIssue(path, f"invalid value {_show(raw)}: {exc}")]
 
 
 def structure(data: Mapping[str, Any], *, source: str | None = None) -> PipelineConfig:
@@ -227,7 +302,7 @@ def structure(data: Mapping[str, Any], *, source: str | None = None) -> Pipeline
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file into a mapping."""
+    """Parse a YAML (``.yaml``/``.yml``/``.json``) or TOML (``.toml``) file into a mapping."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -241,10 +316,12 @@ def parse_config_text(text: str, *, suffix: str, source: str) -> dict[str, Any]:
         if suffix.lower() == ".toml":
             data = tomllib.loads(text)
         elif suffix.lower() in (".yaml", ".yml", ".json"):
-            data = yaml.safe_load(text)
+            stream = io.StringIO(text)
+            stream.name = source  # PyYAML names it in parse errors
+            data = yaml.load(stream, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
         else:
             raise ConfigError(
-                [ConfigIssue("", f"unknown config file type {suffix!r}", "use .yaml, .yml or .toml")], source=source
+                [ConfigIssue("", f"unknown config file type {suffix!r}", "use .yaml, .yml, .toml or .json")], source=source
             )
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError([ConfigIssue("", f"cannot parse: {exc}")], source=source) from None
@@ -253,37 +330,57 @@ def parse_config_text(text: str, *, suffix: str, source: str) -> dict[str, Any]:
     return data
 
 
-def _registered_pipeline(name: str) -> tuple[dict[str, Any], str]:
-    from ..plugins import get_registry
+#: File suffixes read as config files (``.json`` is read by the YAML parser).
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
-    entry = get_registry().get("pipeline", name)
-    obj = entry.load()
-    if callable(obj) and not isinstance(obj, Mapping):
-        obj = obj()
+
+def _registered_pipeline(name: str, registry: Registry | None = None) -> tuple[dict[str, Any], str]:
+    """The mapping of a pipeline a plugin registered: a mapping, a file path, a
+    ``"package:resource.yaml"`` file shipped in a package, a ``"pkg.mod:attr"`` path to one of
+    these, or a zero-argument callable returning one of these."""
+    if registry is None:
+        from ..plugins import get_registry
+
+        registry = get_registry()
+    entry = registry.get("pipeline", name)
     source = f"{name!r} (registered by plugin {entry.plugin!r})"
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError([ConfigIssue("", f"pipeline {name!r} of plugin {entry.plugin!r} {message}")], source=source)
+
+    obj = entry.load()
+    if isinstance(obj, str) and not os.path.exists(obj) and is_dotted_path(obj):
+        package, _, rest = obj.partition(":")
+        if Path(rest).suffix.lower() in CONFIG_SUFFIXES:
+            try:
+                text = importlib.resources.files(package).joinpath(rest).read_text()
+            except Exception as exc:  # no such package, not a package, no such file
+                raise fail(f"names {obj!r}, which cannot be read: {type(exc).__name__}: {exc}") from None
+            return parse_config_text(text, suffix=Path(rest).suffix, source=source), source
+        obj = import_ref(obj)
+    if callable(obj) and not isinstance(obj, Mapping):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise fail(f"could not be built: {type(exc).__name__}: {exc}") from None
     if isinstance(obj, Mapping):
         return dict(obj), source
-    if isinstance(obj, str) and ":" in obj and not os.path.exists(obj):
-        package, _, resource = obj.partition(":")
-        ref = importlib.resources.files(package).joinpath(resource)
-        return parse_config_text(ref.read_text(), suffix=Path(resource).suffix, source=source), source
     if isinstance(obj, (str, os.PathLike)):
         return read_config_file(obj), source
-    raise ConfigError(
-        [ConfigIssue("", f"pipeline {name!r} of plugin {entry.plugin!r} registered a {type(obj).__name__}")],
-        source=source,
-    )
+    raise fail(f"is a {type(obj).__name__}, not a mapping, a file path or a callable returning one")
 
 
 def load_config(
     config: str | os.PathLike | Mapping[str, Any] | PipelineConfig,
     *,
     validate: bool = True,
+    registry: Registry | None = None,
 ) -> PipelineConfig:
     """Load and validate a pipeline config.
 
     ``config`` is a path to a YAML/TOML file, a mapping, a :class:`PipelineConfig`, or the name of a
     pipeline a plugin registered (``"demo"``). Raises :class:`ConfigError` listing every problem.
+    Names are resolved through ``registry`` (default: the registry of the installed plugins).
     """
     if isinstance(config, PipelineConfig):
         cfg, source = config, None
@@ -291,23 +388,21 @@ def load_config(
         cfg, source = structure(config), None
     else:
         text = os.fspath(config)
-        if os.path.exists(text) or Path(text).suffix.lower() in (".yaml", ".yml", ".toml"):
+        if os.path.exists(text) or Path(text).suffix.lower() in CONFIG_SUFFIXES:
             data, source = read_config_file(text), text
         else:
-            data, source = _registered_pipeline_or_error(text)
+            data, source = _registered_pipeline_or_error(text, registry)
         cfg = structure(data, source=source)
     if validate:
         from .validate import validate_config
 
-        validate_config(cfg, source=source)
+        validate_config(cfg, source=source, registry=registry)
     return cfg
 
 
-def _registered_pipeline_or_error(name: str) -> tuple[dict[str, Any], str]:
-    from ..errors import PluginError
-
+def _registered_pipeline_or_error(name: str, registry: Registry | None) -> tuple[dict[str, Any], str]:
     try:
-        return _registered_pipeline(name)
+        return _registered_pipeline(name, registry)
     except PluginError as exc:
         raise ConfigError(
             [ConfigIssue("", f"{name!r} is neither a config file nor a registered pipeline: {exc}")],

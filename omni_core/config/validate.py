@@ -9,13 +9,15 @@ without importing anything a plugin registered lazily.
 from __future__ import annotations
 
 import difflib
+import inspect
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
-from ..errors import ConfigError, ConfigIssue
-from ..registry import Registry
+from ..errors import ConfigError, ConfigIssue, PluginError
+from ..registry import Registry, import_ref, is_dotted_path, signature_text
 from .schema import PipelineConfig
 
 
@@ -114,7 +116,9 @@ def _refs(ctx: _Context, i: int, field: str, names: Iterable[str], role: str) ->
         path = _sp(i, f"{field}[{k}]")
         if name not in ctx.names:
             ctx.unknown_stage(path, name, role)
-        elif name == stage.name:
+        elif name == stage.name and field != "next":
+            # A stage in its own next is a cycle, judged by the cycle rule; waiting for or
+            # streaming to itself never makes sense.
             ctx.add(path, f"stage {stage.name!r} names itself in {field}")
 
 
@@ -181,8 +185,13 @@ def fan_in_sources_route_here(cfg: PipelineConfig, ctx: _Context) -> None:
 
 
 def _next_graph(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """Stage name → the stages it routes to (a duplicated name, already reported, keeps the
+    edges of every stage that carries it, so it causes no second error)."""
     names = set(cfg.stage_names)
-    return {s.name: [t for t in s.next if t in names] for s in cfg.stages}
+    graph: dict[str, list[str]] = {}
+    for s in cfg.stages:
+        graph.setdefault(s.name, []).extend(t for t in s.next if t in names)
+    return graph
 
 
 def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
@@ -208,14 +217,55 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
     return None
 
 
+def strongly_connected(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of the graph that contain a cycle (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, []):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, []):
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
 @rule
 def acyclic_unless_declared(cfg: PipelineConfig, ctx: _Context) -> None:
-    if cfg.allow_cycles:
+    graph = _next_graph(cfg)
+    if not cfg.allow_cycles:
+        cycle = find_cycle(graph)
+        if cycle:
+            ctx.add("stages", f"the stages form a cycle: {' -> '.join(cycle)}",
+                    "set 'allow_cycles: true' if the loop is intended (a route_fn must end it)")
         return
-    cycle = find_cycle(_next_graph(cfg))
-    if cycle:
-        ctx.add("stages", f"the stages form a cycle: {' -> '.join(cycle)}",
-                "set 'allow_cycles: true' if the loop is intended (a route_fn must end it)")
+    by_name = {s.name: s for s in cfg.stages}
+    for component in strongly_connected(graph):
+        if not any(by_name[name].route_fn for name in component):
+            ctx.add("stages", f"the cycle through {', '.join(component)} has no route_fn, so a request "
+                    "would loop forever", "give one of these stages a route_fn that leaves the loop")
 
 
 @rule
@@ -240,13 +290,29 @@ def reachable_from_entry(cfg: PipelineConfig, ctx: _Context) -> None:
 
 @rule
 def processes(cfg: PipelineConfig, ctx: _Context) -> None:
+    own_process = {s.name for s in cfg.stages if s.process is None}
     groups: dict[str, list[int]] = {}
     for i, stage in enumerate(cfg.stages):
         if stage.process is not None:
             groups.setdefault(stage.process, []).append(i)
-        if stage.gpu is not None and len(stage.gpu) not in (1, stage.tp_size):
-            ctx.add(_sp(i, "gpu"), f"{len(stage.gpu)} GPU ids for tp_size {stage.tp_size}",
-                    f"give one id per rank ({stage.tp_size}) or a single id")
+            if stage.process in own_process:
+                ctx.add(_sp(i, "process"), f"process {stage.process!r} is also the name of stage "
+                        f"{stage.process!r}, which runs in a process of its own",
+                        f"rename the process, or set 'process: {stage.process}' on that stage too")
+        if stage.gpu is not None:
+            if len(stage.gpu) not in (1, stage.tp_size):
+                ctx.add(_sp(i, "gpu"), f"{len(stage.gpu)} GPU ids for tp_size {stage.tp_size}",
+                        f"give one id per rank ({stage.tp_size}) or a single id")
+            for k, gpu in enumerate(stage.gpu):
+                if gpu < 0:
+                    ctx.add(_sp(i, "gpu" if len(stage.gpu) == 1 else f"gpu[{k}]"),
+                            f"GPU ids start at 0, got {gpu}", "use null to run on the CPU")
+        for key in stage.env:
+            if not key or "=" in key or "\x00" in key:
+                ctx.add(_sp(i, "env"), f"invalid environment variable name {key!r}")
+    for key in cfg.env_defaults:
+        if not key or "=" in key or "\x00" in key:
+            ctx.add("env_defaults", f"invalid environment variable name {key!r}")
     for name, members in groups.items():
         if len(members) < 2:
             continue
@@ -268,18 +334,69 @@ def processes(cfg: PipelineConfig, ctx: _Context) -> None:
 # -- names resolved through the plugin registry --------------------------------------------------
 
 
-def _resolvable(ctx: _Context, path: str, kind: str, ref: str | None) -> None:
+def _resolvable(ctx: _Context, path: str, kind: str, ref: str | None) -> str | None:
+    """Report why ``ref`` does not resolve as ``kind``; returns that problem (None: it resolves)."""
     if ref is None:
-        return
+        return None
     problem = ctx.registry.problem(kind, ref)
     if problem:
         ctx.add(path, problem)
+    return problem
+
+
+#: Arguments omni passes to a stage factory that declares them (DESIGN.md §4), never from ``args``.
+INJECTED_ARGS = ("stage_name", "device", "gpu_id", "tp_rank", "tp_size", "tp_init_method")
+
+
+def _imported_factory(ctx: _Context, ref: str) -> Any:
+    """The factory object when it is already imported (registered as an object, or a dotted path
+    whose module is loaded); None otherwise: validation never imports a factory."""
+    if is_dotted_path(ref):
+        module, _, _ = ref.partition(":")
+        if module not in sys.modules:
+            return None
+        try:
+            return import_ref(ref)
+        except PluginError:
+            return None
+    entry = ctx.registry.get("stage", ref)
+    if isinstance(entry.target, str):
+        return entry._loaded
+    return entry.target
+
+
+def _factory_args(ctx: _Context, i: int) -> None:
+    """``args`` keys the factory does not accept, and required parameters nobody supplies."""
+    stage = ctx.cfg.stages[i]
+    factory = _imported_factory(ctx, stage.factory)
+    if factory is None:
+        return
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    shown = signature_text(factory)
+    if not takes_any:
+        for key in stage.args:
+            if key not in named:
+                guess = difflib.get_close_matches(str(key), list(named), n=1)
+                ctx.add(_sp(i, f"args.{key}"),
+                        f"factory {stage.factory!r} does not accept argument {key!r}"
+                        + (f" (did you mean {guess[0]!r}?)" if guess else ""),
+                        f"its signature is {shown}")
+    for name, param in named.items():
+        if param.default is param.empty and name not in stage.args and name not in INJECTED_ARGS:
+            ctx.add(_sp(i, "args"), f"factory {stage.factory!r} needs argument {name!r}",
+                    f"add it under args; the signature is {shown}")
 
 
 @rule
 def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
     for i, stage in enumerate(cfg.stages):
-        _resolvable(ctx, _sp(i, "factory"), "stage", stage.factory)
+        if not _resolvable(ctx, _sp(i, "factory"), "stage", stage.factory):
+            _factory_args(ctx, i)
         _resolvable(ctx, _sp(i, "route_fn"), "route", stage.route_fn)
         _resolvable(ctx, _sp(i, "merge_fn"), "merge", stage.merge_fn)
         _resolvable(ctx, _sp(i, "wait_for_fn"), "wait_for", stage.wait_for_fn)
