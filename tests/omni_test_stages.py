@@ -228,3 +228,24 @@ def terminals_raises(inputs):
 def stream_done_by_request_id(request_id, payload):
     """End the stream for 'collect' only when the request id says so."""
     return "collect" if request_id.startswith("done") else None
+
+
+class AllReduce:
+    """A tensor-parallel stage: every rank contributes (rank + 1) * x and all-reduces."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, tp_init_method: str | None = None):
+        import torch.distributed as dist
+
+        assert dist.is_initialized() and dist.get_world_size() == tp_size
+        assert tp_init_method and tp_init_method.startswith("file://")
+        self.rank = tp_rank
+        self.size = tp_size
+
+    async def __call__(self, payload, ctx):
+        import torch.distributed as dist
+
+        part = payload["x"] * (self.rank + 1)
+        dist.all_reduce(part)
+        if payload.get("emit"):
+            await ctx.emit({"rank_sum": float(part.sum())})
+        return {"x": part, "ranks": self.size, "pid": os.getpid()}

@@ -1,8 +1,9 @@
 """The ``inline`` relay: tensors travel as zero-copy zmq frames of the control message itself.
 
 Works for any edge the control plane reaches (same node or across nodes); the fallback of ``auto``.
-The sender hands zmq the tensor's memory without copying (zmq copies once into the socket); the
-receiver's tensors are views of the received frames, so ``release`` has nothing to free.
+The sender copies each tensor's bytes once into its frame (zmq then sends that frame without
+another copy); the receiver's tensors are views of the received frames, so ``release`` has nothing
+to free.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> to
     return flat.view(dtype).view(tuple(shape))
 
 
+def inline_transfer(tensors: Sequence[torch.Tensor]) -> Transfer:
+    """Tensors as frames of their own bytes. The bytes are copied here, once: zmq sends frames
+    later from its I/O thread, and the caller may change or free its tensors as soon as ``put``
+    returned (a stage reusing an output buffer, a relay slot being released)."""
+    meta = _Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
+    return Transfer(_encode(meta), [tensor_bytes(t).tobytes() for t in tensors])
+
+
 class InlineRelay(Relay):
     """Tensors as extra zmq frames: no shared state, nothing to clean up."""
 
@@ -77,10 +86,7 @@ class InlineRelay(Relay):
     )
 
     async def put(self, request_id: int, tensors: Sequence[torch.Tensor], target: str) -> Transfer:
-        meta = _Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
-        # Keep the (possibly made-contiguous) tensors alive with their views until zmq sent them.
-        frames = [tensor_bytes(t) for t in tensors]
-        return Transfer(_encode(meta), frames)
+        return inline_transfer(tensors)
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
         meta = _decode(handle)

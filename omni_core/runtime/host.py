@@ -35,6 +35,7 @@ from ..plan.topology import OBJECT_RELAY, ProcessSpec
 from ..plugins import get_registry, signature_text
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
+from ..relay.inline import inline_transfer
 from ..relay.payload import pack, unpack
 from . import wire
 from .channel import Inbox, Outbox
@@ -62,7 +63,7 @@ class Bootstrap:
     edge_relays: dict[tuple[str, str, str], str]
     env: dict[str, str]
     parent_pid: int
-    stateful: bool = False
+    followers: tuple[str, ...] = ()
 
 
 def _alive(pid: int) -> bool:
@@ -165,14 +166,33 @@ class Host:
 
     # -- building ------------------------------------------------------------------------------
 
+    @property
+    def tp_init_method(self) -> str | None:
+        """Rendezvous of this process's tensor-parallel group: a file in the private runtime dir,
+        so there is no port to pick and no bind-then-release race."""
+        if self.spec.tp_size == 1:
+            return None
+        return f"file://{self.boot.runtime_dir}/tp-{self.spec.group}-{self.spec.replica}"
+
+    def join_tp_group(self) -> None:
+        """Join the stage's torch.distributed group (gloo on CPU, nccl on GPU) before the
+        factory runs, so stage code can use collectives directly."""
+        import torch.distributed as dist
+
+        backend = "gloo" if self.spec.gpu is None else "nccl"
+        dist.init_process_group(backend, init_method=self.tp_init_method, rank=self.spec.tp_rank, world_size=self.spec.tp_size)
+
     def build_stages(self) -> None:
+        if self.spec.tp_size > 1:
+            self.join_tp_group()
         for name in self.spec.stages:
             stage = self.config.stage(name)
             factory = self.registry.resolve("stage", stage.factory)
-            kwargs = _inject(factory, self.spec, stage, None)
+            kwargs = _inject(factory, self.spec, stage, self.tp_init_method)
             obj = factory(**kwargs)
             self.stages[name] = StageRuntime(
-                self, stage, obj, _functions(self.registry, stage), stream_buffer=self.config.limits.stream_buffer
+                self, stage, obj, _functions(self.registry, stage),
+                stream_buffer=self.config.limits.stream_buffer, follower=not self.spec.is_leader,
             )
 
     def relay(self, name: str) -> Relay:
@@ -200,6 +220,8 @@ class Host:
             else:
                 self._dispatch(msg, unpack(msg.skeleton, [], allow_pickle=self.allow_pickle), Inbound())
         elif isinstance(msg, wire.StreamEnd):
+            for follower in self.boot.followers:
+                self.outbox.post(self.boot.addresses[follower], msg)
             stage = self.stages.get(msg.stage)
             if stage is not None and msg.rid not in self.ended:
                 stage.on_stream_end(msg.rid, msg.src)
@@ -235,6 +257,8 @@ class Host:
 
     def _dispatch(self, msg: wire.Data, payload: Any, inbound: Inbound) -> None:
         stage = self.stages[msg.stage]
+        if self.boot.followers:
+            self._to_followers(msg, payload)
         if msg.kind == "work":
             stage.on_payload(msg.rid, msg.request_id, msg.src, payload, inbound)
         elif msg.kind == "chunk":
@@ -242,6 +266,16 @@ class Host:
         else:
             inbound.release()
             self.log.warning("dropped data of unknown kind", kind=msg.kind)
+
+    def _to_followers(self, msg: wire.Data, payload: Any) -> None:
+        """A TP leader hands every payload and chunk to its followers, in arrival order, so all
+        ranks run the same calls in the same order (their collectives must match)."""
+        skeleton, tensors = pack(payload, allow_pickle=self.allow_pickle)
+        transfer = inline_transfer(tensors)
+        relay = CALLER_RELAY if tensors else ""
+        copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay, transfer.handle, len(transfer.frames))
+        for follower in self.boot.followers:
+            self.outbox.post(self.boot.addresses[follower], copy_msg, transfer.frames)
 
     def forget(self, rid: int) -> None:
         if rid in self.ended:

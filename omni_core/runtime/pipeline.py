@@ -180,6 +180,7 @@ class Pipeline:
                 edge_relays=edge_relays,
                 env=env,
                 parent_pid=os.getpid(),
+                followers=tuple(p.name for p in plan.processes if p.leader == spec.name),
             )
         deadline = time.monotonic() + cfg.limits.startup_timeout
         for name in self.boots:

@@ -73,7 +73,7 @@ def _is_async_callable(obj: Any) -> bool:
 class StageRuntime:
     """Serves one stage of one process. Created by the host after the factory ran."""
 
-    def __init__(self, host: Host, cfg: StageConfig, obj: Any, fns: StageFunctions, *, stream_buffer: int):
+    def __init__(self, host: Host, cfg: StageConfig, obj: Any, fns: StageFunctions, *, stream_buffer: int, follower: bool = False):
         if not callable(obj):
             raise PluginError(f"stage {cfg.name!r}: the factory returned {type(obj).__name__}, which is not callable")
         self.host = host
@@ -83,8 +83,11 @@ class StageRuntime:
         self.fns = fns
         self.is_async = _is_async_callable(obj)
         self.stream_buffer = stream_buffer
-        self.sem = asyncio.Semaphore(cfg.max_concurrency)
-        self.executor = None if self.is_async else ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix=f"stage-{cfg.name}")
+        self.follower = follower
+        # Tensor-parallel ranks run one call at a time, in the same order, so collectives match.
+        concurrency = 1 if cfg.tp_size > 1 else cfg.max_concurrency
+        self.sem = asyncio.Semaphore(concurrency)
+        self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
         self.running: dict[int, asyncio.Task] = {}
         self.contexts: dict[int, StageContext] = {}
         self.fan_in: dict[int, _FanIn] = {}
@@ -190,6 +193,8 @@ class StageRuntime:
                 stream_inbound = self.stream_inbound.get(rid)
                 if stream_inbound is not None:
                     inbound.merge(stream_inbound)
+                if self.follower:  # only the TP leader's result goes downstream
+                    return
                 if inbound.storages:
                     result = self.host.copy_out(result, inbound.storages)
                 await self.host.finish(self, rid, request_id, result)
@@ -215,7 +220,8 @@ class StageRuntime:
     async def emit(self, rid: int, request_id: str, chunk: Any) -> None:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
-        await self.host.emit(self, rid, request_id, chunk)
+        if not self.follower:  # only the TP leader's chunks go downstream
+            await self.host.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
 
