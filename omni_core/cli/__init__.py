@@ -66,3 +66,4 @@ def main(argv: list[str] | None = None) -> None:
 from . import plugins as _plugins  # noqa: E402,F401
 from . import validate as _validate  # noqa: E402,F401
 from . import run as _run  # noqa: E402,F401
+from . import plan as _plan  # noqa: E402,F401

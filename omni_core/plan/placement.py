@@ -368,10 +368,14 @@ def _ranks_issue(request: PlacementRequest, stage: StageDemand, replica: int, id
             return ConfigIssue(
                 path,
                 f"stage {where!r} has ranks {first} and {rank} both on GPU {gpu}; tensor-parallel ranks need "
-                f"distinct GPUs (tp_size {stage.tp_size}, {len(request.devices)} GPUs visible)",
+                f"distinct GPUs (tp_size {stage.tp_size}, {_count(len(request.devices), 'GPU')} visible)",
                 "give one GPU per rank, lower tp_size, or plan with more GPUs",
             )
     return None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _process_issues(request: PlacementRequest, placement: Placement) -> list[ConfigIssue]:

@@ -1,0 +1,72 @@
+"""`omni plan`."""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Annotated
+
+import typer
+
+from . import app, err
+
+
+class PlanFormat(str, enum.Enum):
+    text = "text"
+    json = "json"
+    mermaid = "mermaid"
+    dot = "dot"
+
+
+# -- omni plan -----------------------------------------------------------------------------------
+
+
+@app.command()
+def plan(
+    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name.")],
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", min=0, metavar="N",
+                     help="Plan for N simulated GPUs (default: placement.gpus, else the GPUs torch sees)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
+    fmt: Annotated[
+        PlanFormat, typer.Option("--format", help="text (default), json, mermaid or dot.")
+    ] = PlanFormat.text,
+) -> None:
+    """Show how a pipeline would run: the GPU of every stage and rank, the process groups, each
+    edge's relay, the endpoints and any warnings. Starts nothing and imports no stage code."""
+    import os
+
+    from ..config import load_config
+    from ..errors import ConfigError, PluginError
+    from ..plan import build_plan
+    from ..plan.render import plan_dict, render_dot, render_mermaid, render_text
+    from ..plugins import get_registry
+
+    if as_json and fmt not in (PlanFormat.text, PlanFormat.json):
+        err.print(f"error: --json and --format {fmt.value} contradict each other; pass one of them")
+        raise typer.Exit(2)
+    fmt = PlanFormat.json if as_json else fmt
+    try:
+        cfg = load_config(config)
+        result = build_plan(cfg, get_registry(), gpus=gpus, environ=os.environ)
+    except ConfigError as exc:
+        exc = exc if exc.source else ConfigError(exc.issues, source=config)
+        if fmt is PlanFormat.json:
+            print(json.dumps({"valid": False, "errors": [
+                {"path": i.path, "message": i.message, "hint": i.hint} for i in exc.issues
+            ]}, indent=2))
+        else:
+            err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    except (PluginError, LookupError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    renderers = {
+        PlanFormat.text: render_text,
+        PlanFormat.json: lambda p: json.dumps(plan_dict(p), indent=2) + "\n",
+        PlanFormat.mermaid: render_mermaid,
+        PlanFormat.dot: render_dot,
+    }
+    print(renderers[fmt](result), end="")
