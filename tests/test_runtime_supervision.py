@@ -16,7 +16,7 @@ import pytest
 from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
-from omni_core.errors import PipelineClosed
+from omni_core.errors import PipelineClosed, RequestAborted
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -125,7 +125,7 @@ def test_stop_escalates_when_a_stage_ignores_shutdown():
         await asyncio.sleep(0.2)
         start = time.monotonic()
         await p.stop()
-        with pytest.raises(Exception):
+        with pytest.raises(RequestAborted):
             await task
         return time.monotonic() - start
 

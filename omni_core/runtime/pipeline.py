@@ -389,14 +389,13 @@ class Pipeline:
             if msg.stage in req.expected or (not req.expected and not req.results):
                 req.results[msg.stage] = payload
             self._maybe_complete(req)
-        elif msg.kind == "event":
-            if req.events is not None:
-                if req.events.qsize() >= self.config.limits.stream_buffer:
-                    self._finish(req, error=StageError(
-                        f"the caller did not read the stream: more than {self.config.limits.stream_buffer} unread chunks",
-                        stage=msg.stage, request_id=req.request_id, error_type="StreamOverflow"))
-                    return
-                req.events.put_nowait(Event("chunk", msg.stage, payload))
+        elif msg.kind == "event" and req.events is not None:
+            if req.events.qsize() >= self.config.limits.stream_buffer:
+                self._finish(req, error=StageError(
+                    f"the caller did not read the stream: more than {self.config.limits.stream_buffer} unread chunks",
+                    stage=msg.stage, request_id=req.request_id, error_type="StreamOverflow"))
+                return
+            req.events.put_nowait(Event("chunk", msg.stage, payload))
 
     def _maybe_complete(self, req: Request) -> None:
         if not req.complete:
