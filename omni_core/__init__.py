@@ -27,9 +27,26 @@ from .errors import (
     StartupError,
 )
 from .plugins import hookimpl
-from .runtime.context import StageContext
-from .runtime.pipeline import Pipeline, run
-from .runtime.requests import Event
+
+# The runtime imports torch and zmq; load it only when used, so `omni plugins list`, `omni
+# validate` and plugin modules that only register names stay fast.
+_LAZY = {
+    "Event": "omni_core.runtime.requests",
+    "Pipeline": "omni_core.runtime.pipeline",
+    "StageContext": "omni_core.runtime.context",
+    "run": "omni_core.runtime.pipeline",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni_core' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "Event",
