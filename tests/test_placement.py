@@ -324,8 +324,17 @@ def test_builtin_strategies_are_pure_functions_of_the_request():
 def test_default_shares_over_budget_are_a_warning_not_an_error(registry):
     plan = plan_of(registry, {"name": "llm", "memory": 0.95, "gpu": 0}, {"name": "vocoder", "gpu": 0}, gpus=1)
     assert plan.warnings == (
-        "GPU 0 may be over its memory budget: 105% counting vocoder at the default 10% each "
-        "(they set no memory); set 'memory' on them",
+        "GPU 0 may be over its memory budget: 105% counting vocoder, which sets no memory, at the default "
+        "10%; set 'memory' on it",
+    )
+
+
+def test_several_default_shares_over_budget_are_named_in_one_warning(registry):
+    plan = plan_of(registry, {"name": "llm", "memory": 0.85, "gpu": 0}, {"name": "a", "gpu": 0}, {"name": "b", "gpu": 0},
+                   gpus=1, options={"default_memory": 8 * GIB}, memory_per_gpu=80 * GIB)
+    assert plan.warnings == (
+        "GPU 0 may be over its memory budget: 105% counting a, b, which set no memory, at the default "
+        "8.0 GiB each; set 'memory' on them",
     )
 
 

@@ -438,11 +438,11 @@ def _default_budget_warning(request: PlacementRequest, load: GpuLoad) -> str | N
     if load.total <= 1 + EPS or load.over_by() > EPS:
         return None
     guessed = [h.label for h in load.holders if not h.declared]
-    return (
-        f"GPU {load.device.index} may be over its memory budget: {percent(load.total)} counting "
-        f"{', '.join(guessed)} at the default {amount_text(request.default_memory)} each "
-        "(they set no memory); set 'memory' on them"
-    )
+    default = amount_text(request.default_memory)
+    which = (f"{guessed[0]}, which sets no memory, at the default {default}; set 'memory' on it"
+             if len(guessed) == 1 else
+             f"{', '.join(guessed)}, which set no memory, at the default {default} each; set 'memory' on them")
+    return f"GPU {load.device.index} may be over its memory budget: {percent(load.total)} counting {which}"
 
 
 def _tp_sharing_warnings(load: GpuLoad) -> list[str]:
