@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
 import pytest
-from plugin_fixtures import AcmePlugin, TestLauncher, forget_test_modules, make_plugin_site
+from plugin_fixtures import AcmePlugin, ensure_local_launcher, forget_test_modules, make_plugin_site
 
 from omni_core.plugins import load_plugins, reset_plugins
-from omni_core.registry import Entry, Registry
+from omni_core.registry import Registry
 
 TESTS = Path(__file__).parent
 CONFIGS = TESTS / "configs"
@@ -16,10 +15,10 @@ CONFIGS = TESTS / "configs"
 
 @pytest.fixture(autouse=True)
 def _isolated_plugins(monkeypatch):
-    """No test sees the OMNI_* settings of the shell that runs pytest, nor a registry loaded by
-    an earlier test."""
-    for key in [k for k in os.environ if k.startswith("OMNI_")]:
-        monkeypatch.delenv(key)
+    """No test sees the plugin selection of the shell that runs pytest, nor a registry loaded
+    by an earlier test."""
+    for key in ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS"):
+        monkeypatch.delenv(key, raising=False)
     reset_plugins()
     yield
     reset_plugins()
@@ -49,14 +48,6 @@ def load(plugin_site):
         return load_plugins(env={"OMNI_LOAD_PLUGINS": selected, **env})
 
     return _load
-
-
-def ensure_local_launcher(registry: Registry) -> Registry:
-    """Config defaults name the 'local' launcher; register a stand-in when omni-core does not
-    provide one yet, so config tests do not depend on the runtime."""
-    if "local" not in registry.names("launcher"):
-        registry.add(Entry(kind="launcher", name="local", target=TestLauncher, plugin="tests"))
-    return registry
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 import omni_core
+from omni_core.registry import Entry, Registry
 
 MODULE_PREFIX = "omnitest_"
 
@@ -301,8 +302,9 @@ def run_omni(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``omni ARGS`` in a fresh process; ``pythonpath`` makes extra distributions visible."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
-    full_env.update({"COLUMNS": "250", "NO_COLOR": "1"})
+    skip = ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS")
+    full_env = {k: v for k, v in os.environ.items() if k not in skip}
+    full_env["NO_COLOR"] = "1"
     if pythonpath is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [str(pythonpath)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
@@ -359,6 +361,14 @@ def terminals(inputs):
 
 class TestLauncher:
     """Registered as 'local' in tests when omni-core does not provide it yet."""
+
+
+def ensure_local_launcher(registry: Registry) -> Registry:
+    """Config defaults name the 'local' launcher; register a stand-in when omni-core does not
+    provide one yet, so config tests do not depend on the runtime."""
+    if "local" not in registry.names("launcher"):
+        registry.add(Entry(kind="launcher", name="local", target=TestLauncher, plugin="tests"))
+    return registry
 
 
 class AcmePlugin:

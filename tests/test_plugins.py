@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pluggy
 import pytest
-from plugin_fixtures import BROKEN, GOOD
+from plugin_fixtures import (
+    BROKEN,
+    GOOD,
+    FakeDistribution,
+    ensure_local_launcher,
+    install_distribution,
+)
 
 import omni_core
+from omni_core.config import load_config
 from omni_core.errors import PluginError
 from omni_core.plugins import (
     HOOK_NAMES,
@@ -384,3 +392,47 @@ def test_two_plugins_under_one_name_keep_the_first(load):
     assert impostor.error.startswith("another plugin is already loaded under the name 'relays'")
     assert "omni_core.builtin.relays" in impostor.error
     assert "impostor.stage" not in plugins.registry.names("stage")
+
+
+# -- the plugin guide's example ---------------------------------------------------------------------
+
+GUIDE = Path(__file__).parent.parent / "docs" / "plugins.md"
+
+
+def guide_block(after: str) -> str:
+    """The first fenced code block after the line containing ``after`` in docs/plugins.md."""
+    text = GUIDE.read_text()
+    start = text.index("```", text.index(after))
+    body_start = text.index("\n", start) + 1
+    return text[body_start:text.index("```", body_start)]
+
+
+def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeypatch):
+    install_distribution(tmp_path, FakeDistribution(
+        name="acme-omni", version="0.1.0", entry_points={"acme": "acme_omni.plugin"},
+        files={
+            "acme_omni/__init__.py": "",
+            "acme_omni/plugin.py": guide_block("`src/acme_omni/plugin.py`:"),
+            "acme_omni/stages.py": guide_block("`src/acme_omni/stages.py`:"),
+            "acme_omni/pipelines/demo.yaml": guide_block("A config then uses the names"),
+        },
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": "acme"})
+        info = plugins.info("acme")
+        assert info.error is None
+        assert info.registered == {
+            "stage": ["acme.upper"],
+            "route": ["acme.pick_by_language"],
+            "merge": ["acme.join_texts"],
+            "pipeline": ["acme.demo"],
+        }
+        assert "acme_omni.stages" not in sys.modules, "the guide registers the stage lazily"
+        registry = ensure_local_launcher(plugins.registry)
+        cfg = load_config("acme.demo", registry=registry)
+        assert (cfg.name, cfg.entry, cfg.terminal_stages) == ("acme-demo", "split", ["out"])
+        assert registry.resolve("stage", "acme.upper").__name__ == "UpperStage"
+    finally:
+        for name in [m for m in sys.modules if m.startswith("acme_omni")]:
+            del sys.modules[name]

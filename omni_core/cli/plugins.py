@@ -52,7 +52,8 @@ def plugins_list(
     out.print(table)
     broken = [i for i in infos if i.error]
     if broken:
-        err.print(
-            f"{len(broken)} plugin(s) with errors; names they would provide are unavailable.",
-            markup=False, highlight=False,
-        )
+        lines = [f"{len(broken)} plugin(s) with errors; names they would provide are unavailable:"]
+        for info in broken:
+            where = f"distribution {info.distribution} {info.version}" if info.distribution else "not installed"
+            lines.append(f"  {info.name} ({where}, entry point {info.name} = {info.module}): {info.error}")
+        err.print("\n".join(lines), markup=False, highlight=False)
