@@ -36,6 +36,7 @@ import asyncio
 import collections
 import itertools
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,9 +99,9 @@ class _Pool:
         self.waiters: collections.deque = collections.deque()
 
     def take(self, nslots: int, request_id: int, ticket: int) -> _Span | None:
+        # Reclaim first, so the lowest (most recently used, cache-warm) slots are reused.
+        self._reclaim()
         slot = self.occupied.find(bytes(nslots))
-        if slot < 0 and self._reclaim():
-            slot = self.occupied.find(bytes(nslots))
         if slot < 0:
             return None
         span = self.spans[slot] = _Span(slot, nslots, ticket, request_id)
@@ -108,11 +109,10 @@ class _Pool:
         self.seg.set_issued(slot, ticket)
         return span
 
-    def _reclaim(self) -> bool:
-        done = [s for s in self.spans.values() if self.seg.released(s.slot) == s.ticket]
-        for span in done:
+    def _reclaim(self) -> None:
+        released = self.seg.released
+        for span in [s for s in self.spans.values() if released(s.slot) == s.ticket]:
             self.free(span)
-        return bool(done)
 
     def free(self, span: _Span) -> None:
         if self.spans.get(span.slot) is span:
@@ -271,6 +271,7 @@ class ShmRelay(Relay):
         self._oneoffs: dict[str, _Oneoffs] = {}
         self._tickets = itertools.count(1)
         self._serial = itertools.count()
+        self._token = secrets.token_hex(3)  # names stay unique across instances and reused pids
         self._maps: dict[str, Segment] = {}  # receiver side: segments of other processes
         self._held: dict[bytes, int] = {}  # receiver side: handle -> request id, until release
         self._closed = False
@@ -350,7 +351,7 @@ class ShmRelay(Relay):
     def _name(self, target: str, kind: str) -> str:
         if not isinstance(target, str) or not target:
             raise ValueError(f"shm relay: target must be a process name, got {target!r}")
-        tag = f"{clean(self.ctx.process, 30)}.{clean(target, 30)}.{kind}{next(self._serial)}"
+        tag = f"{clean(self.ctx.process, 30)}.{clean(target, 30)}.{kind}{next(self._serial)}.{self._token}"
         return segment_name(self.ctx.run_id, os.getpid(), tag)
 
     # -- receiver -------------------------------------------------------------------------------
@@ -381,6 +382,8 @@ class ShmRelay(Relay):
     def _map(self, name: str) -> Segment:
         seg = self._maps.get(name)
         if seg is None:
+            for old in [n for n, m in self._maps.items() if not m.owner_alive()]:
+                self._maps.pop(old).close()  # a dead sender's pool: it will never be used again
             seg = self._maps[name] = Segment.open(name)
             seg.set_receiver(os.getpid())
         return seg

@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 
+import numpy as np
 import torch
 
 from ..errors import OmniError
@@ -113,8 +114,11 @@ class Segment:
         self.slot_bytes = int.from_bytes(mm[_W_SLOT_BYTES * 8 : _W_SLOT_BYTES * 8 + 8], "little")
         data_offset = int.from_bytes(mm[_W_DATA * 8 : _W_DATA * 8 + 8], "little")
         self.words = memoryview(mm)[:data_offset].cast("q")
-        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=data_offset,
-                                     count=self.slots * self.slot_bytes)
+        # Through numpy: its array holds a buffer export on the mmap for as long as any tensor
+        # views it, so close() cannot unmap memory still in use (torch.frombuffer holds none).
+        self.data = torch.from_numpy(
+            np.frombuffer(mm, dtype=np.uint8, count=self.slots * self.slot_bytes, offset=data_offset)
+        )
         self.kind = self.words[_W_KIND]
 
     @classmethod
@@ -182,6 +186,9 @@ class Segment:
     def set_receiver(self, pid: int) -> None:
         self.words[_W_RECV_START] = process_start_time(pid)
         self.words[_W_RECV] = pid
+
+    def owner_alive(self) -> bool:
+        return process_alive(self.words[_W_OWNER], self.words[_W_OWNER_START])
 
     def receiver(self) -> tuple[int, int]:
         return self.words[_W_RECV], self.words[_W_RECV_START]

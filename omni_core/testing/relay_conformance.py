@@ -1,0 +1,345 @@
+"""The relay conformance kit: the contracts of :mod:`omni_core.relay.base` as pytest tests.
+
+A relay package runs them against its backend by subclassing::
+
+    from omni_core.testing.relay_conformance import RelayConformance
+
+    class TestMyRelay(RelayConformance):
+        relay_name = "my_relay"          # resolved through installed plugins (or relay_class = ...)
+        relay_options = {"timeout": 1}   # RelayContext.options of every instance
+        credits = 4                      # small puts one target can hold before put waits;
+                                         # None for a relay whose put never waits
+        put_timeout = 1.0                # seconds put waits for credits with these options
+
+The sender runs in the test process, the receiver in a spawned process
+(:class:`~omni_core.testing.peer.RelayPeer`); handles and frames travel over a pipe, as they do in
+control messages. Every test closes its relays and then checks that nothing in /dev/shm names the
+run and that no thread was left running; cross-process tests run under pytest-timeout and check
+that the processes they started are gone. Relays must therefore put the run id in the names of
+the shared resources they create (DESIGN §6), which is what lets ``sweep`` find them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+import uuid
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from ..relay.base import Relay, RelayContext
+from . import peer as cmd
+from .peer import RelayPeer, resolve_relay, tensor_record
+
+SENDER, RECEIVER = "sender", "receiver"
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5), seed: int = 0) -> torch.Tensor:
+    """A random tensor of ``dtype`` (values spread over the type's range, signs included)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    low = 0 if dtype == torch.uint8 else -100
+    return torch.randint(low, 120, shape, generator=gen, dtype=dtype)
+
+
+def shm_entries(run_id: str) -> list[str]:
+    """What /dev/shm holds that names ``run_id``."""
+    return sorted(name for name in os.listdir("/dev/shm") if run_id in name)
+
+
+def remove_leaked(run_id: str, keep: list[str] = ()) -> list[str]:
+    """Unlink what /dev/shm holds for ``run_id`` beyond ``keep``, so a failing relay does not
+    pollute the machine; the names removed, for the assertion that follows."""
+    leaked = [name for name in shm_entries(run_id) if name not in keep]
+    for name in leaked:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+    return leaked
+
+
+def assert_arrived(sent: list[torch.Tensor], records: list) -> None:
+    assert len(records) == len(sent), f"{len(records)} tensors arrived, {len(sent)} were put"
+    for i, (tensor, (dtype, shape, raw, contiguous)) in enumerate(zip(sent, records, strict=True)):
+        want = tensor_record(tensor)
+        assert (dtype, tuple(shape)) == want[:2], f"tensor {i}: {dtype}{shape} arrived, {want[:2]} put"
+        assert raw == want[2], f"tensor {i} ({dtype}{shape}): values differ"
+        assert contiguous, f"tensor {i} arrived non-contiguous"
+
+
+def _wire(transfer) -> tuple[bytes, list[bytearray]]:
+    """The transfer as it crosses a pipe: handle bytes and frames as writable buffers (received
+    zmq frames belong to the receiver too)."""
+    return bytes(transfer.handle), [bytearray(memoryview(f)) for f in transfer.frames]
+
+
+@pytest.mark.timeout(120)
+class RelayConformance:
+    """Subclass as ``Test<Relay>`` and set the class attributes (see the module docstring)."""
+
+    relay_name: ClassVar[str] = ""
+    relay_class: ClassVar[type[Relay] | None] = None
+    relay_options: ClassVar[dict[str, Any]] = {}
+    credits: ClassVar[int | None] = None
+    put_timeout: ClassVar[float] = 1.0
+    large_bytes: ClassVar[int] = 8 << 20
+
+    # -- fixtures -------------------------------------------------------------------------------
+
+    @classmethod
+    def relay_ref(cls) -> type[Relay] | str:
+        ref = cls.relay_class or cls.relay_name
+        if not ref:
+            raise TypeError(f"{cls.__name__}: set relay_name or relay_class")
+        return ref
+
+    @classmethod
+    def context(cls, run_id: str, process: str, runtime_dir: str) -> RelayContext:
+        return RelayContext(run_id, process, runtime_dir, dict(cls.relay_options))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def run_id(cls) -> str:
+        return f"kit{os.getpid()}x{uuid.uuid4().hex[:8]}"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def runtime_dir(cls, tmp_path_factory) -> str:
+        return str(tmp_path_factory.mktemp("relay-kit"))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def receiver(cls, run_id, runtime_dir):
+        peer = RelayPeer.start(cls.relay_ref(), cls.context(run_id, RECEIVER, runtime_dir))
+        yield peer
+        assert peer.stop() == 0, "the receiver process did not exit cleanly"
+        assert not peer.process.is_alive()
+        assert remove_leaked(run_id) == [], "the receiver's relay left /dev/shm entries after close"
+
+    @pytest.fixture
+    def sender(self, run_id, runtime_dir, receiver):
+        shm_before, threads_before = shm_entries(run_id), set(threading.enumerate())
+        relay = resolve_relay(self.relay_ref())(self.context(run_id, SENDER, runtime_dir))
+        yield relay
+        relay.close()
+        assert remove_leaked(run_id, shm_before) == [], "close() left /dev/shm entries behind"
+        extra = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+        assert not extra, f"threads still running after close(): {extra}"
+
+    def run(self, coro, timeout: float = 90) -> Any:
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+
+    def needs_credits(self) -> int:
+        if self.credits is None:
+            pytest.skip(f"{self.relay_ref()} declares no credits (put never waits)")
+        return self.credits
+
+    async def send(self, sender: Relay, receiver: RelayPeer, tensors, request_id: int = 1,
+                   release: bool = True, target: str = RECEIVER):
+        """Put ``tensors``, get them in the receiver; the records that arrived and the handle."""
+        handle, frames = _wire(await sender.put(request_id, tensors, target))
+        records = await receiver.acall(cmd.get_records, handle, frames, release)
+        return records, handle
+
+    async def fill_credits(self, sender: Relay, receiver: RelayPeer, request_id: int, got: int):
+        """Take every credit toward the receiver with small puts of ``request_id``; the first
+        ``got`` of them are received and held there, the rest never delivered."""
+        handles = []
+        for i in range(self.needs_credits()):
+            if i < got:
+                _, handle = await self.send(sender, receiver, [sample(torch.float32)], request_id, False)
+            else:
+                handle, _ = _wire(await sender.put(request_id, [sample(torch.float32)], RECEIVER))
+            handles.append(handle)
+        return handles
+
+    async def assert_put_times_out(self, sender: Relay, target: str = RECEIVER) -> str:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            await sender.put(999, [sample(torch.float32)], target)
+        elapsed = time.monotonic() - started
+        assert elapsed <= self.put_timeout + 3, f"put took {elapsed:.1f} s to give up"
+        assert target in str(info.value), f"the timeout error does not name the target: {info.value}"
+        return str(info.value)
+
+    # -- values ---------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+    def test_every_dtype_round_trips_across_processes(self, sender, receiver, dtype):
+        tensors = [sample(dtype), sample(dtype, (7,), seed=1), sample(dtype, (), seed=2)]
+        records, _ = self.run(self.send(sender, receiver, tensors))
+        assert_arrived(tensors, records)
+
+    def test_empty_and_zero_dim_tensors_round_trip(self, sender, receiver):
+        tensors = [torch.empty(0), torch.empty(3, 0, 2, dtype=torch.int64), torch.tensor(7.5),
+                   torch.tensor(True), torch.ones(1, dtype=torch.float16)]
+        records, _ = self.run(self.send(sender, receiver, tensors))
+        assert_arrived(tensors, records)
+        records, _ = self.run(self.send(sender, receiver, []))
+        assert records == []
+
+    def test_non_contiguous_tensors_arrive_contiguous_with_their_values(self, sender, receiver):
+        base = sample(torch.float32, (6, 8))
+        tensors = [base.t(), base[::2, 1::3], sample(torch.int16, (4,)).expand(3, 4),
+                   sample(torch.complex64, (4, 4))[:, 1], torch.arange(24).view(2, 3, 4).permute(2, 0, 1)]
+        assert not any(t.is_contiguous() for t in tensors)
+        records, _ = self.run(self.send(sender, receiver, tensors))
+        assert_arrived(tensors, records)
+
+    def test_many_tensors_in_one_put_arrive_in_order(self, sender, receiver):
+        tensors = [sample(DTYPES[i % len(DTYPES)], (i % 5, 3 + i % 7), seed=i) for i in range(64)]
+        records, _ = self.run(self.send(sender, receiver, tensors))
+        assert_arrived(tensors, records)
+
+    def test_large_tensor_round_trips(self, sender, receiver):
+        tensors = [sample(torch.float32, (self.large_bytes // 4,)), sample(torch.uint8, (1000,))]
+        records, _ = self.run(self.send(sender, receiver, tensors))
+        assert_arrived(tensors, records)
+
+    def test_many_concurrent_transfers_all_arrive_intact(self, sender, receiver):
+        async def one(i: int):
+            tensors = [sample(DTYPES[i % len(DTYPES)], (50 + i,), seed=i), torch.full((3,), i)]
+            records, _ = await self.send(sender, receiver, tensors, request_id=i)
+            assert_arrived(tensors, records)
+
+        async def all_of_them():
+            await asyncio.gather(*(one(i) for i in range(40)))
+
+        self.run(all_of_them())
+
+    def test_transfers_flow_both_ways(self, sender, receiver):
+        shapes = [[4, 5], [0], [1000]]
+
+        async def back():
+            handle, frames = await receiver.acall(cmd.put_seeded, 3, SENDER, 11, shapes)
+            tensors = await sender.get(handle, frames)
+            records = [tensor_record(t) for t in tensors]
+            sender.release(handle)
+            return records
+
+        assert self.run(back()) == cmd.seeded_records(11, shapes)
+        receiver.call(cmd.reset_relay)  # the receiver's own sending resources go with it
+
+    # -- failures and idempotence ---------------------------------------------------------------
+
+    def test_release_and_cleanup_are_idempotent(self, sender, receiver):
+        async def go():
+            for rid in range(3):
+                records, handle = await self.send(sender, receiver, [sample(torch.int32)], rid, False)
+                await receiver.acall(cmd.release, handle)
+                await receiver.acall(cmd.release, handle)
+                await receiver.acall(cmd.cleanup, rid)
+                sender.cleanup(rid)
+                sender.cleanup(rid)
+            sender.cleanup(12345)
+            for _ in range(self.credits or 3):  # every credit came back exactly once
+                records, _ = await self.send(sender, receiver, [sample(torch.int8)], 10, False)
+                assert_arrived([sample(torch.int8)], records)
+            await receiver.acall(cmd.cleanup, 10)
+
+        self.run(go())
+
+    def test_failed_put_raises_and_leaves_relay_usable(self, sender, receiver):
+        async def go():
+            with pytest.raises(Exception):  # noqa: B017 - any error is fine, as long as it raises
+                await sender.put(1, [torch.ones(3), "not a tensor"], RECEIVER)
+            for rid in range(self.credits or 3):  # the failed put kept no credit
+                records, _ = await self.send(sender, receiver, [sample(torch.float64)], 2 + rid)
+                assert_arrived([sample(torch.float64)], records)
+
+        self.run(go())
+
+    def test_close_twice_is_harmless(self, run_id, runtime_dir, sender, receiver):
+        relay = resolve_relay(self.relay_ref())(self.context(run_id, "twice", runtime_dir))
+        self.run(self.send(relay, receiver, [sample(torch.float32)]))
+        relay.close()
+        relay.close()
+
+    # -- credits and back-pressure ----------------------------------------------------------------
+
+    def test_put_waits_for_credits_and_resumes_after_release(self, sender, receiver):
+        async def go():
+            handles = await self.fill_credits(sender, receiver, 1, got=self.needs_credits())
+            waiting = asyncio.ensure_future(sender.put(2, [sample(torch.float32)], RECEIVER))
+            await asyncio.sleep(min(0.3, self.put_timeout / 3))
+            assert not waiting.done(), "put did not wait although every credit was held"
+            await receiver.acall(cmd.release, handles[0])
+            transfer = await asyncio.wait_for(waiting, self.put_timeout)
+            records = await receiver.acall(cmd.get_records, *_wire(transfer))
+            assert_arrived([sample(torch.float32)], records)
+            for handle in handles[1:]:
+                await receiver.acall(cmd.release, handle)
+
+        self.run(go())
+
+    def test_put_times_out_with_clear_error_while_credits_are_held(self, sender, receiver):
+        async def go():
+            await self.fill_credits(sender, receiver, 1, got=self.needs_credits() // 2)
+            await self.assert_put_times_out(sender)
+            await receiver.acall(cmd.cleanup, 1)
+            sender.cleanup(1)
+
+        self.run(go())
+
+    def test_cleanup_of_aborted_request_frees_its_credits(self, sender, receiver):
+        async def go():
+            old = await self.fill_credits(sender, receiver, 7, got=self.needs_credits() // 2)
+            sender.cleanup(7)
+            await self.fill_credits(sender, receiver, 8, got=0)  # every credit is back
+            for handle in old:  # late releases of the aborted request free nothing new
+                await receiver.acall(cmd.release, handle)
+            await self.assert_put_times_out(sender)
+            sender.cleanup(8)
+            await self.send(sender, receiver, [sample(torch.float32)], 9)
+
+        self.run(go())
+
+    def test_receiver_cleanup_releases_what_it_holds(self, sender, receiver):
+        async def go():
+            await self.fill_credits(sender, receiver, 5, got=self.needs_credits())
+            await receiver.acall(cmd.cleanup, 5)
+            await self.fill_credits(sender, receiver, 6, got=self.needs_credits())
+            await receiver.acall(cmd.cleanup, 6)
+
+        self.run(go())
+
+    def test_dead_receiver_never_hangs_the_sender(self, run_id, runtime_dir, sender):
+        doomed = RelayPeer.start(self.relay_ref(), self.context(run_id, "doomed", runtime_dir))
+        try:
+            async def before_death():
+                if self.credits is None:
+                    await self.send(sender, doomed, [sample(torch.float32)], 1, False, "doomed")
+                    return
+                for rid in range(self.credits):
+                    await self.send(sender, doomed, [sample(torch.float32)], rid, False, "doomed")
+
+            self.run(before_death())
+            doomed.kill()
+            assert not doomed.process.is_alive()
+            resolve_relay(self.relay_ref()).sweep(run_id)  # what the runner does after a crash
+
+            async def after_death():
+                if self.credits is None:
+                    await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout + 3)
+                    return
+                await self.assert_put_times_out(sender, "doomed")
+                for rid in range(self.credits):
+                    sender.cleanup(rid)
+                await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout)
+
+            self.run(after_death())
+        finally:
+            doomed.stop()
+        assert not doomed.process.is_alive()

@@ -1,0 +1,267 @@
+"""The shm relay: the conformance kit, plus what is particular to shared-memory pools."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from omni_core.relay.base import RelayContext, RelayTimeout
+from omni_core.relay.shm import ShmRelay, ShmRelayError, _decode
+from omni_core.relay.shm_segment import parse_name
+from omni_core.testing.peer import PeerState, RelayPeer, put_seeded
+from omni_core.testing.relay_conformance import RelayConformance, sample, shm_entries
+
+OPTIONS = {"slot_bytes": 1 << 20, "slots": 4, "timeout": 1.0}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class TestShmRelay(RelayConformance):
+    relay_name = "shm"
+    relay_options = OPTIONS
+    credits = 4
+    put_timeout = 1.0
+    large_bytes = 8 << 20  # twice the pool: the one-off segment path
+
+
+@pytest.fixture
+def run_id():
+    run = f"shmtest{uuid.uuid4().hex[:8]}"
+    yield run
+    leftovers = shm_entries(run)
+    for name in leftovers:
+        os.unlink(f"/dev/shm/{name}")
+    assert leftovers == [], "segments left in /dev/shm"
+
+
+@pytest.fixture
+def make(run_id, tmp_path):
+    """``make(process, **options)``: a relay of this run, closed after the test."""
+    relays = []
+
+    def build(process: str, **options) -> ShmRelay:
+        relays.append(ShmRelay(RelayContext(run_id, process, str(tmp_path), {**OPTIONS, **options})))
+        return relays[-1]
+
+    yield build
+    for relay in relays:
+        relay.close()
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+# -- commands for peers (run in the peer process) ---------------------------------------------
+
+async def where_tensors_live(state: PeerState, handle: bytes) -> list[str]:
+    """For each received tensor, the /dev/shm file its data lies in (per /proc/self/maps)."""
+    tensors = await state.relay.get(handle, [])
+    with open("/proc/self/maps") as maps:
+        ranges = [line.split() for line in maps if "/dev/shm/" in line]
+    places = []
+    for t in tensors:
+        places += [r[5] for r in ranges
+                   if int(r[0].split("-")[0], 16) <= t.data_ptr() < int(r[0].split("-")[1], 16)]
+    state.relay.release(handle)
+    return places
+
+
+# -- zero copy, reuse, names ------------------------------------------------------------------
+
+def test_receiver_tensors_view_the_senders_pool_and_slots_are_reused(make, run_id, tmp_path):
+    sender = make("stage_a")
+    peer = RelayPeer.start("shm", RelayContext(run_id, "stage_b", str(tmp_path), OPTIONS))
+    try:
+        seen = set()
+        for i in range(10):
+            transfer = run(sender.put(i, [sample(torch.float32, (1000,), seed=i)], "stage_b"))
+            handle = _decode(transfer.handle)
+            seen.add((handle.segment, handle.slot))
+            [path] = peer.call(where_tensors_live, transfer.handle)
+            assert path == f"/dev/shm/{handle.segment}"
+        assert len(seen) == 1, f"released slots were not reused: {seen}"
+        assert len(shm_entries(run_id)) == 1
+    finally:
+        assert peer.stop() == 0
+
+
+def test_segments_are_named_with_run_id_and_owner_pid(make, run_id):
+    sender = make("a")
+    assert shm_entries(run_id) == [], "the pool is created on the first put, not before"
+    run(sender.put(1, [torch.ones(3)], "b"))
+    run(sender.put(1, [torch.ones(3)], "c"))
+    names = shm_entries(run_id)
+    assert len(names) == 2, "one pool per target process"
+    assert {parse_name(n) for n in names} == {(run_id, os.getpid())}
+
+
+def test_put_copies_so_later_writes_to_the_source_do_not_travel(make):
+    sender, receiver = make("a"), make("b")
+    source = torch.arange(100, dtype=torch.float32)
+    transfer = run(sender.put(1, [source], "b"))
+    source.zero_()
+    [got] = run(receiver.get(transfer.handle))
+    assert torch.equal(got, torch.arange(100, dtype=torch.float32))
+
+
+def test_tensors_stay_readable_after_both_relays_close(make):
+    sender, receiver = make("a"), make("b")
+    transfer = run(sender.put(1, [torch.arange(1000)], "b"))
+    [got] = run(receiver.get(transfer.handle))
+    receiver.close()
+    sender.close()
+    assert torch.equal(got, torch.arange(1000)), "the mapping must outlive close while viewed"
+
+
+# -- spans, oversized transfers ---------------------------------------------------------------
+
+def test_tensor_larger_than_a_slot_spans_consecutive_slots_of_the_pool(make, run_id):
+    sender, receiver = make("a"), make("b")
+    big = sample(torch.float32, ((3 << 20) // 4,))
+    transfer = run(sender.put(1, [big], "b"))
+    assert len(shm_entries(run_id)) == 1, "a span of the pool, not a new segment"
+    [got] = run(receiver.get(transfer.handle))
+    assert torch.equal(got, big)
+    receiver.release(transfer.handle)
+
+    async def whole_pool_waits_for_a_small_holder():
+        small = await sender.put(2, [torch.ones(1)], "b")
+        waiting = asyncio.ensure_future(sender.put(3, [sample(torch.uint8, (4 << 20,))], "b"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        receiver.release(small.handle)
+        await asyncio.wait_for(waiting, 1)
+
+    run(whole_pool_waits_for_a_small_holder())
+
+
+def test_oversized_transfer_uses_a_one_off_segment_removed_after_release(make, run_id):
+    sender, receiver = make("a"), make("b")
+    big = sample(torch.float32, ((6 << 20) // 4,))
+    transfer = run(sender.put(1, [big], "b"))
+    assert [n for n in shm_entries(run_id) if ".big" in n], "no one-off segment"
+    assert not [n for n in shm_entries(run_id) if ".pool" in n], "the pool is not needed for it"
+    [got] = run(receiver.get(transfer.handle))
+    assert torch.equal(got, big)
+
+    async def second_waits_for_first():
+        waiting = asyncio.ensure_future(sender.put(2, [big], "b"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "at most one oversized transfer in flight per target"
+        receiver.release(transfer.handle)
+        return await asyncio.wait_for(waiting, 2)
+
+    second = run(second_waits_for_first())
+    assert len([n for n in shm_entries(run_id) if ".big" in n]) == 1, "the first was not removed"
+    receiver.release(second.handle)
+    run(sender.put(3, [torch.ones(1)], "b"))
+    sender._oneoffs["b"].reclaim()
+    assert not [n for n in shm_entries(run_id) if ".big" in n]
+
+
+# -- back-pressure ----------------------------------------------------------------------------
+
+def test_waiting_put_sleeps_instead_of_spinning(make):
+    sender = make("a", timeout=1.5)
+
+    async def wait_out():
+        for i in range(OPTIONS["slots"]):
+            await sender.put(i, [torch.ones(1)], "b")
+        cpu, wall = time.process_time(), time.monotonic()
+        with pytest.raises(RelayTimeout):
+            await sender.put(9, [torch.ones(1)], "b")
+        return time.process_time() - cpu, time.monotonic() - wall
+
+    cpu, wall = run(wait_out())
+    assert wall >= 1.4
+    assert cpu < 0.3 * wall, f"waiting burnt {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
+def test_waiting_puts_get_credits_in_arrival_order(make):
+    sender, receiver = make("a"), make("b")
+
+    async def go():
+        held = [await sender.put(i, [torch.ones(1)], "b") for i in range(OPTIONS["slots"])]
+        done = []
+
+        async def put(rid):
+            await sender.put(rid, [torch.ones(1)], "b")
+            done.append(rid)
+
+        tasks = [asyncio.ensure_future(put(10 + i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        for transfer in held[:3]:
+            receiver.release(transfer.handle)
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+        return done
+
+    assert run(go()) == [10, 11, 12]
+
+
+def test_get_of_a_handle_whose_request_was_cleaned_up_is_a_clear_error(make):
+    sender, receiver = make("a"), make("b")
+    old = run(sender.put(1, [torch.ones(4)], "b"))
+    sender.cleanup(1)
+    new = run(sender.put(2, [torch.zeros(4)], "b"))
+    assert _decode(new.handle).slot == _decode(old.handle).slot
+    with pytest.raises(ShmRelayError, match="stale"):
+        run(receiver.get(old.handle))
+    [got] = run(receiver.get(new.handle))
+    assert torch.equal(got, torch.zeros(4))
+
+
+# -- crashes and sweep ------------------------------------------------------------------------
+
+def test_sweep_removes_segments_of_a_sigkilled_owner_only(make, run_id, tmp_path):
+    survivor = make("alive")
+    run(survivor.put(1, [torch.ones(3)], "x"))
+    peer = RelayPeer.start("shm", RelayContext(run_id, "doomed", str(tmp_path), OPTIONS))
+    peer.call(put_seeded, 1, "x", 0, [[10]])
+    doomed = [n for n in shm_entries(run_id) if parse_name(n)[1] == peer.pid]
+    assert len(doomed) == 1
+    peer.kill()
+    assert not peer.process.is_alive()
+    assert ShmRelay.sweep(f"other{run_id}") == []
+    assert ShmRelay.sweep(run_id) == doomed
+    assert [parse_name(n)[1] for n in shm_entries(run_id)] == [os.getpid()]
+
+
+def test_sweep_ignores_files_that_are_not_segments(run_id):
+    path = f"/dev/shm/omni-{run_id}-p999999999-foreign"
+    with open(path, "wb") as f:
+        f.write(b"not a segment header" * 4)
+    try:
+        assert ShmRelay.sweep(run_id) == []
+    finally:
+        os.unlink(path)
+
+
+# -- options and environment ------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value", [("slots", 0), ("slot_bytes", "4MiB"), ("timeout", -1), ("slots", True)])
+def test_invalid_options_name_the_option(make, key, value):
+    with pytest.raises(ValueError, match=f"relay.options.{key}"):
+        make("a", **{key: value})
+
+
+def test_pool_that_does_not_fit_in_dev_shm_is_a_clear_error(make, run_id):
+    sender = make("a", slot_bytes=1 << 50, slots=1)
+    with pytest.raises(ShmRelayError, match="shm-size"):
+        run(sender.put(1, [torch.ones(1)], "b"))
+    assert shm_entries(run_id) == []
+    run(make("c").put(1, [torch.ones(1)], "b"))  # the run goes on with a pool that fits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_copied_to_host(make):
+    sender, receiver = make("a"), make("b")
+    source = torch.arange(1000, device="cuda", dtype=torch.float32)
+    [got] = run(receiver.get(run(sender.put(1, [source], "b")).handle))
+    assert got.device.type == "cpu" and torch.equal(got, source.cpu())
