@@ -145,9 +145,9 @@ def _hook_problems(plugin: object) -> list[str]:
     problems = []
     for attr in dir(plugin):
         fn = getattr(plugin, attr, None)
-        if not callable(fn) or inspect.isclass(fn):
+        if not inspect.isroutine(fn):  # what pluggy looks at: functions and methods
             continue
-        marked = hasattr(fn, "omni_impl")
+        marked = isinstance(getattr(fn, "omni_impl", None), dict)
         if marked and attr not in HOOK_NAMES:
             problems.append(f"unknown hook {attr!r}{_hook_guess(attr)}; hooks are: {', '.join(HOOK_NAMES)}")
         elif not marked and attr.startswith("omni_register_"):

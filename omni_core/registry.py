@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -85,10 +86,17 @@ def import_ref(ref: str) -> Any:
 
 
 def check_dotted_path(ref: str) -> str | None:
-    """Check that the module of a dotted path can be found, without importing it.
+    """Check that the module of a dotted path can be found, without importing it (and, when it
+    is imported already, that it has the attribute).
 
     Returns None when it looks importable, else the reason it is not."""
     module_name = ref.partition(":")[0]
+    if module_name in sys.modules:
+        try:
+            import_ref(ref)
+        except PluginError as exc:
+            return str(exc)
+        return None
     try:
         spec = importlib.util.find_spec(module_name)
     except Exception as exc:  # a parent package failed to import, or the name is malformed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pluggy
 import pytest
@@ -204,6 +205,19 @@ def test_hook_function_without_the_marker_is_an_error_not_silently_ignored():
         "function 'omni_register_stages' looks like a hook but is not marked with "
         "@omni_core.hookimpl"
     )
+
+
+def test_objects_that_answer_every_attribute_are_not_taken_for_hooks():
+    class Plugin:
+        omni_helper = mock.MagicMock()  # hasattr(mock, "omni_impl") is True
+
+        @hookimpl
+        def omni_register_stages(self, register):
+            register("mocked.stage", dict)
+
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("mocked", Plugin())])
+    assert plugins.info("mocked").error is None
+    assert "mocked.stage" in plugins.registry.names("stage")
 
 
 def test_hook_with_wrong_argument_name_is_recorded():

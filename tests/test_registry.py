@@ -104,6 +104,13 @@ def test_dotted_path_to_a_missing_attribute_says_which_attribute():
     )
 
 
+def test_dotted_path_to_a_missing_attribute_of_an_imported_module_is_a_problem():
+    assert Registry().problem("merge", "collections:OrderedDcit") == (
+        "module 'collections' has no attribute 'OrderedDcit' (from 'collections:OrderedDcit'); "
+        "check the spelling, or that the installed version provides it"
+    )
+
+
 def test_dotted_path_whose_module_raises_on_import_is_a_plugin_error(tmp_path, monkeypatch):
     (tmp_path / "omnitest_explodes.py").write_text("raise RuntimeError('no GPU here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
