@@ -245,6 +245,8 @@ class AllReduce:
         import torch.distributed as dist
 
         part = payload["x"] * (self.rank + 1)
+        if self.rank == 0 and payload.get("leader_sleep"):
+            await asyncio.sleep(payload["leader_sleep"])
         dist.all_reduce(part)
         if payload.get("emit"):
             await ctx.emit({"rank_sum": float(part.sum())})

@@ -57,11 +57,15 @@ def stage_processes() -> set[int]:
 
 
 def runtime_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "omni-run-*")))
+    """Runtime dirs of pipelines this process started (their names carry its pid)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"omni-run-{os.getpid()}-*")))
 
 
 def shm_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("omni")} if os.path.isdir("/dev/shm") else set()
+    """/dev/shm segments of runs this process started (run ids begin with its pid)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if name.startswith("omni") and str(os.getpid()) in name}
 
 
 def assert_nothing_left(before_dirs: set[str], before_shm: set[str], wait: float = 5.0) -> None:

@@ -56,10 +56,12 @@ def test_follower_death_fails_requests_with_process_died():
     async def body():
         async with Pipeline(cfg) as p:
             await p.submit({"x": torch.ones(1)})
+            task = asyncio.ensure_future(p.submit({"x": torch.ones(1), "leader_sleep": 30}))
+            await asyncio.sleep(0.5)  # the follower now waits in all_reduce for the leader
             os.kill(p.pids()["tp.1"], signal.SIGKILL)
             with pytest.raises(ProcessDied) as info:
-                await asyncio.wait_for(p.submit({"x": torch.ones(1)}), 5)
+                await asyncio.wait_for(task, 5)
             return info.value
 
     error = arun(body())
-    assert error.process in ("tp.1", "tp.0")
+    assert error.process == "tp.1" and error.signal == "SIGKILL"

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import msgspec
 import torch
 import zmq
 
@@ -48,6 +49,20 @@ CALLER_RELAY = "inline"
 ALL_TARGETS = "*"
 
 _ENDED_MEMORY = 100_000
+
+#: The wire name of a message whose tensors went through two relays (see ``Host._put``).
+SPLIT_RELAY = "+split"
+
+
+class _Split(msgspec.Struct, array_like=True):
+    relays: list[str]
+    handles: list[bytes]
+    counts: list[int]
+    index: list[list[int]]
+
+
+_encode_split = msgspec.msgpack.Encoder().encode
+_decode_split = msgspec.msgpack.Decoder(_Split).decode
 
 
 @attrs.frozen
@@ -235,15 +250,10 @@ class Host:
 
     async def _receive(self, msg: wire.Data, frames: list) -> None:
         try:
-            relay = self.relay(msg.relay)
-            tensors = await relay.get(msg.handle, [f.buffer for f in frames])
+            tensors, inbound = await self._get(msg.relay, msg.handle, [f.buffer for f in frames])
         except Exception as exc:
             self.fail(msg.rid, msg.stage, exc)
             return
-        inbound = Inbound()
-        if type(relay).release is not Relay.release:
-            inbound.releases.append(lambda: relay.release(msg.handle))
-            inbound.storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
         if msg.rid in self.ended:
             inbound.release()
             return
@@ -254,6 +264,54 @@ class Host:
             self.fail(msg.rid, msg.stage, exc)
             return
         self._dispatch(msg, payload, inbound)
+
+    # -- relays ---------------------------------------------------------------------------------
+
+    async def _put(self, relay_name: str, rid: int, tensors: list, target: str) -> tuple[str, bytes, list]:
+        """Put ``tensors`` through the edge's relay. Tensors on a device that relay cannot move
+        (CPU tensors on a GPU-only relay) go through ``inline`` beside them, in one message."""
+        relay = self.relay(relay_name)
+        devices = relay.capabilities.devices
+        fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
+        if len(fits) == len(tensors):
+            transfer = await relay.put(rid, tensors, target)
+            return relay_name, transfer.handle, list(transfer.frames)
+        rest = [i for i in range(len(tensors)) if i not in set(fits)]
+        split = _Split([], [], [], [])
+        frames: list = []
+        for name, index in ((relay_name, fits), (CALLER_RELAY, rest)):
+            if not index:
+                continue
+            transfer = await self.relay(name).put(rid, [tensors[i] for i in index], target)
+            split.relays.append(name)
+            split.handles.append(transfer.handle)
+            split.counts.append(len(transfer.frames))
+            split.index.append(index)
+            frames += transfer.frames
+        return SPLIT_RELAY, _encode_split(split), frames
+
+    async def _get(self, relay_name: str, handle: bytes, frames: list) -> tuple[list, Inbound]:
+        """The tensors of a received message, and what to release when the call is done."""
+        inbound = Inbound()
+        if relay_name != SPLIT_RELAY:
+            return await self._get_one(relay_name, handle, frames, inbound), inbound
+        split = _decode_split(handle)
+        tensors: list = [None] * sum(len(index) for index in split.index)
+        start = 0
+        for name, sub, count, index in zip(split.relays, split.handles, split.counts, split.index, strict=True):
+            part = await self._get_one(name, sub, frames[start:start + count], inbound)
+            start += count
+            for i, tensor in zip(index, part, strict=True):
+                tensors[i] = tensor
+        return tensors, inbound
+
+    async def _get_one(self, relay_name: str, handle: bytes, frames: list, inbound: Inbound) -> list:
+        relay = self.relay(relay_name)
+        tensors = await relay.get(handle, frames)
+        if type(relay).release is not Relay.release:
+            inbound.releases.append(lambda: relay.release(handle))
+            inbound.storages |= {t.untyped_storage().data_ptr() for t in tensors if t.numel() and t.device.type == "cpu"}
+        return tensors
 
     def _dispatch(self, msg: wire.Data, payload: Any, inbound: Inbound) -> None:
         stage = self.stages[msg.stage]
@@ -304,10 +362,9 @@ class Host:
     async def _send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
                          address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
         if tensors:
-            relay = self.relay(relay_name)
-            transfer = await relay.put(rid, tensors, self._process_of(address))
-            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, transfer.handle, len(transfer.frames))
-            await self.outbox.send(address, msg, transfer.frames)
+            relay_name, handle, frames = await self._put(relay_name, rid, tensors, self._process_of(address))
+            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames))
+            await self.outbox.send(address, msg, frames)
         else:
             await self.outbox.send(address, wire.Data(kind, rid, request_id, dst, src, skeleton))
 
