@@ -68,7 +68,7 @@ def test_stream_done_to_fn_chooses_who_gets_the_end_signal():
         stage("src", "Echo", next=["tok", "collect"]),
         stage("tok", "Tokens", stream_to=["collect"], stream_done_to_fn=fn("stream_done_by_request_id"), terminal=True),
         stage("collect", "Collect", args={"source": "tok"}, terminal=True),
-        limits={"request_timeout": 1},
+        limits={"request_timeout": 3},
     )
 
     async def body():
