@@ -34,6 +34,7 @@ _LAZY = {
     "Event": "omni_core.runtime.requests",
     "Pipeline": "omni_core.runtime.pipeline",
     "StageContext": "omni_core.runtime.context",
+    "SyncPipeline": "omni_core.runtime.sync",
     "run": "omni_core.runtime.pipeline",
 }
 
@@ -52,6 +53,7 @@ __all__ = [
     "Event",
     "Pipeline",
     "StageContext",
+    "SyncPipeline",
     "run",
     "ConfigError",
     "OmniError",

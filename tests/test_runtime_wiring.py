@@ -206,3 +206,17 @@ def test_replicas_share_the_load_and_keep_fan_in_together():
     results = arun(body())
     assert [r["b"]["i"] for r in results] == list(range(20))
     assert len({r["a"]["pid"] for r in results}) == 2
+
+
+def test_sync_pipeline_serves_blocking_callers_from_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omni_core import SyncPipeline
+
+    cfg = pipeline(stage("up", "Upper", next="tok"), stage("tok", "Tokens", terminal=True))
+    with SyncPipeline(cfg) as p:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: p.submit({"text": f"t{i}"}), range(8)))
+        events = list(p.stream({"text": "ab"}))
+    assert results == [{"text": f"T{i}"} for i in range(8)]
+    assert [e.data for e in events] == [{"token": "A"}, {"token": "B"}, {"text": "AB"}]
