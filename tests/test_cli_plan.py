@@ -112,7 +112,7 @@ def test_text_report_with_two_gpus_shows_every_section(workdir):
 
         endpoints
           process        address
-          coordinator    ipc://<runtime_dir>/coordinator
+          (coordinator)  ipc://<runtime_dir>/coordinator
           audio_encoder  ipc://<runtime_dir>/p0
           thinker.0      ipc://<runtime_dir>/p1
           thinker.1      ipc://<runtime_dir>/p2
@@ -179,7 +179,11 @@ def test_json_with_two_gpus_has_placement_groups_edges_endpoints_and_warnings(wo
     assert data["placement"][4]["memory_declared"] is False
     assert data["process_groups"][2] == {"name": "speech", "stages": ["talker", "vocoder"], "processes": ["speech"]}
     assert {(e["src"], e["dst"], e["kind"]): e["relay"] for e in data["edges"]}[("talker", "vocoder", "next")] == "object"
-    assert data["endpoints"]["coordinator"] == "ipc://<runtime_dir>/coordinator"
+    assert data["endpoints"] == {
+        "coordinator": "ipc://<runtime_dir>/coordinator",
+        "processes": {"audio_encoder": "ipc://<runtime_dir>/p0", "thinker.0": "ipc://<runtime_dir>/p1",
+                      "thinker.1": "ipc://<runtime_dir>/p2", "speech": "ipc://<runtime_dir>/p3"},
+    }
     thinker1 = data["processes"][2]
     assert (thinker1["name"], thinker1["leader"], thinker1["cuda_visible_devices"], thinker1["endpoint"]) == (
         "thinker.1", "thinker.0", "1", "ipc://<runtime_dir>/p2")

@@ -78,11 +78,6 @@ class Group:
     def head(self) -> StageDemand:
         return self.stages[0]
 
-    @property
-    def slots(self) -> int:
-        """Processes of the group: one per replica and TP rank."""
-        return self.head.replicas * self.head.tp_size
-
 
 @attrs.frozen
 class PlacementRequest:
@@ -110,13 +105,19 @@ class PlacementRequest:
     @property
     def default_memory(self) -> float:
         """What a stage without ``memory`` counts as (≤ 1: fraction, > 1: bytes)."""
-        value = self.options.get("default_memory", DEFAULT_MEMORY)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError([ConfigIssue(
-                "placement.options.default_memory", f"must be a number greater than 0, got {value!r}",
-                "a fraction of a GPU (≤ 1) or bytes (> 1)",
-            )])
-        return float(value)
+        return default_memory(self.options)
+
+
+def default_memory(options: Mapping[str, Any]) -> float:
+    """``options["default_memory"]``, else :data:`DEFAULT_MEMORY`; a ConfigError unless it is a
+    positive number."""
+    value = options.get("default_memory", DEFAULT_MEMORY)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError([ConfigIssue(
+            "placement.options.default_memory", f"must be a number greater than 0, got {value!r}",
+            "a fraction of a GPU (≤ 1) or bytes (> 1)",
+        )])
+    return float(value)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -483,7 +484,7 @@ def check_options(request: PlacementRequest, allowed: Sequence[str]) -> None:
             issues.append(ConfigIssue(f"placement.options.{key}", f"unknown placement option {key!r}", hint))
     if issues:
         raise ConfigError(issues)
-    request.default_memory  # noqa: B018 -- validates the option
+    default_memory(request.options)
 
 
 def pinned_ids(stage: StageDemand) -> tuple[int | None, ...]:

@@ -9,18 +9,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .placement import DEFAULT_MEMORY, GpuLoad, amount_text, gib, percent
+from .placement import GpuLoad, amount_text, default_memory, gib, percent
 from .topology import OBJECT_RELAY, EdgeSpec, Plan, ProcessSpec, endpoints
 
 #: Stands for the run's private runtime directory in printed endpoints.
 RUNTIME_DIR = "<runtime_dir>"
 
-#: The key of the coordinator's endpoint in :func:`endpoints`, and its name in reports.
+#: How reports name the coordinator's endpoint (key ``""`` of :func:`endpoints`).
 COORDINATOR = "coordinator"
 
 
-def _named_endpoints(plan: Plan) -> dict[str, str]:
-    return {(name or COORDINATOR): addr for name, addr in endpoints(plan, RUNTIME_DIR).items()}
+def _endpoints(plan: Plan) -> tuple[str, dict[str, str]]:
+    """The coordinator's address and each process's, under :data:`RUNTIME_DIR`."""
+    addresses = dict(endpoints(plan, RUNTIME_DIR))
+    return addresses.pop(""), addresses
 
 
 def _share(plan: Plan, stage: str, gpu: int | None) -> tuple[float, bool] | None:
@@ -88,7 +90,7 @@ def _process_dict(proc: ProcessSpec, endpoint: str) -> dict[str, Any]:
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
     """The plan as JSON-ready data (the shape of ``omni plan --json``)."""
-    addresses = _named_endpoints(plan)
+    coordinator, addresses = _endpoints(plan)
     cfg = plan.config
     return {
         "pipeline": cfg.name,
@@ -103,7 +105,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "processes": [_process_dict(p, addresses[p.name]) for p in plan.processes],
         "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay, "local": e.local}
                   for e in plan.edges],
-        "endpoints": addresses,
+        "endpoints": {COORDINATOR: coordinator, "processes": addresses},
         "warnings": list(plan.warnings),
     }
 
@@ -153,7 +155,7 @@ def render_text(plan: Plan) -> str:
     lines += table(["stage", "replica", "rank", "gpu", "memory", "process"],
                    [[r["stage"], r["replica"], r["rank"], r["gpu"], _memory_cell(r), r["process"]] for r in rows])
     if any(r["memory_declared"] is False for r in rows):
-        default = amount_text(_default_memory(cfg))
+        default = amount_text(default_memory(cfg.placement.options))
         lines.append(f"  * no memory set: counted as the default share ({default})")
     if plan.loads:
         lines += ["", "gpus"] + table(["gpu", "used", "stages"], [_gpu_line(ld) for ld in plan.loads])
@@ -166,13 +168,10 @@ def render_text(plan: Plan) -> str:
          for p in plan.processes])
     lines += ["", "edges"] + table(
         ["from", "to", "kind", "relay"], [[e.src, e.dst, e.kind, _relay_text(e)] for e in plan.edges])
-    lines += ["", "endpoints"] + table(["process", "address"], list(_named_endpoints(plan).items()))
+    coordinator, addresses = _endpoints(plan)
+    lines += ["", "endpoints"] + table(["process", "address"], [[f"({COORDINATOR})", coordinator], *addresses.items()])
     lines += ["", "warnings"] + ([f"  - {w}" for w in plan.warnings] or ["  (none)"])
     return "\n".join(lines) + "\n"
-
-
-def _default_memory(cfg: Any) -> float:
-    return float(cfg.placement.options.get("default_memory", DEFAULT_MEMORY))
 
 
 # -- graphs --------------------------------------------------------------------------------------
