@@ -1,0 +1,264 @@
+"""The demo's own stages: preprocess, thinker, talker and vocoder (the encoders are the generic
+``contrib.torch_module`` stage running :mod:`omni_contrib_stages.demo.models`).
+
+See ``docs/demo.md`` for the graph and what travels on each edge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+import wave
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from .models import VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_pcm16
+
+#: The sample rate of the input audio the preprocess stage makes or accepts.
+INPUT_SAMPLE_RATE = 16000
+
+EXAMPLE = '{"text": "hello omni", "wav_path": "hello.wav"}'
+
+
+def _seeded(seed: int, build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def _bad_input(message: str) -> ValueError:
+    return ValueError(f"{message}; the demo takes inputs like {EXAMPLE}")
+
+
+# -- preprocess ---------------------------------------------------------------------------------
+
+
+class Preprocess:
+    """Checks the inputs and prepares each branch's part of a split payload::
+
+        {"audio":  {"features": [frames, n_features]},      # for audio_encoder
+         "image":  {"pixels": [3, image_size, image_size]},  # for image_encoder
+         "speech": {"wav_path": "/abs/path.wav"},            # for talker (then vocoder)
+         "shared": {"text", "text_ids", "max_tokens"},       # every branch gets these
+         "_to": [...]}                                       # only when "speak": false
+
+    Inputs: ``text`` (required), ``max_tokens`` (words to write, default 13 = one sentence),
+    ``wav_path`` (default ``omni-demo.wav``, relative to the directory omni runs in), ``speak``
+    (default true; false skips the talker and vocoder by routing to ``without_speech`` only),
+    ``audio`` (optional list of samples at 16 kHz; default: a tone made from the text) and
+    ``image`` (optional ``[h][w]`` or ``[h][w][3]`` list of numbers in 0..1; default: a pattern
+    made from the text).
+    """
+
+    def __init__(self, n_features: int = 64, image_size: int = 32, audio_seconds: float = 1.0,
+                 default_wav: str = "omni-demo.wav", max_tokens_limit: int = 64,
+                 without_speech: list[str] | None = None):
+        self.n_features = n_features
+        self.image_size = image_size
+        self.audio_seconds = audio_seconds
+        self.default_wav = default_wav
+        self.max_tokens_limit = max_tokens_limit
+        self.without_speech = list(without_speech) if without_speech else None
+
+    def __call__(self, inputs: Any, ctx: Any) -> dict[str, Any]:
+        if not isinstance(inputs, Mapping):
+            raise _bad_input(f"expected a JSON object, got {type(inputs).__name__}")
+        unknown = sorted(set(inputs) - {"text", "max_tokens", "wav_path", "speak", "audio", "image"})
+        if unknown:
+            raise _bad_input(f"unknown input key(s) {unknown}; known: text, max_tokens, wav_path, speak, audio, image")
+        text = inputs.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise _bad_input("'text' must be a non-empty string")
+        max_tokens = inputs.get("max_tokens", 13)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.max_tokens_limit:
+            raise _bad_input(f"'max_tokens' must be an integer from 1 to {self.max_tokens_limit}, got {max_tokens!r}")
+        wav_path = inputs.get("wav_path", self.default_wav)
+        if not isinstance(wav_path, str) or not wav_path:
+            raise _bad_input(f"'wav_path' must be a file name, got {wav_path!r}")
+        speak = inputs.get("speak", True)
+        if not isinstance(speak, bool):
+            raise _bad_input(f"'speak' must be true or false, got {speak!r}")
+        text_ids = list(text.encode("utf-8"))[:512]
+        audio = self._audio(inputs.get("audio"), text_ids)
+        payload: dict[str, Any] = {
+            "audio": {"features": self._features(audio)},
+            "image": {"pixels": self._image(inputs.get("image"), text_ids)},
+            "speech": {"wav_path": os.path.abspath(wav_path)},
+            "shared": {"text": text, "text_ids": text_ids, "max_tokens": max_tokens},
+        }
+        if not speak:
+            if self.without_speech is None:
+                raise _bad_input("'speak': false needs the preprocess stage's 'without_speech' argument in the config")
+            payload["_to"] = self.without_speech
+        return payload
+
+    def _audio(self, audio: Any, text_ids: list[int]) -> torch.Tensor:
+        if audio is not None:
+            try:
+                wave_ = torch.as_tensor(audio, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise _bad_input("'audio' must be a list of numbers (samples at 16 kHz)") from None
+            if wave_.dim() != 1 or wave_.numel() < 400:
+                raise _bad_input(f"'audio' must be a flat list of at least 400 samples, got shape {tuple(wave_.shape)}")
+            return wave_
+        # A chord whose notes come from the text: different texts sound different.
+        t = torch.arange(int(self.audio_seconds * INPUT_SAMPLE_RATE), dtype=torch.float32) / INPUT_SAMPLE_RATE
+        notes = [220.0 * 2 ** ((b % 24) / 12) for b in text_ids[:3]] or [220.0]
+        return sum(torch.sin(2 * math.pi * f * t) for f in notes) / len(notes)
+
+    def _features(self, audio: torch.Tensor) -> torch.Tensor:
+        """Log band energies: ``[frames, n_features]`` (25 ms windows, 10 ms hop)."""
+        spec = torch.stft(audio, n_fft=400, hop_length=160, window=torch.hann_window(400), return_complex=True).abs()
+        bands = F.adaptive_avg_pool1d(spec.T.unsqueeze(0), self.n_features).squeeze(0)
+        return torch.log1p(bands)
+
+    def _image(self, image: Any, text_ids: list[int]) -> torch.Tensor:
+        size = self.image_size
+        if image is not None:
+            try:
+                pixels = torch.as_tensor(image, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise _bad_input("'image' must be a nested list of numbers ([h][w] or [h][w][3])") from None
+            if pixels.dim() == 2:
+                pixels = pixels.unsqueeze(-1).expand(-1, -1, 3)
+            if pixels.dim() != 3 or pixels.shape[-1] != 3:
+                raise _bad_input(f"'image' must be [h][w] or [h][w][3], got shape {tuple(pixels.shape)}")
+            pixels = pixels.permute(2, 0, 1).unsqueeze(0)
+            return F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False).squeeze(0)
+        # Stripes whose angle and colours come from the text.
+        seed = sum(text_ids) or 1
+        y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32), indexing="ij")
+        angle = (seed % 360) * math.pi / 180
+        stripes = torch.sin((x * math.cos(angle) + y * math.sin(angle)) * (1 + seed % 5) / 4)
+        colours = torch.tensor([(seed >> k) % 7 / 6 for k in (0, 3, 6)], dtype=torch.float32)
+        return (0.5 + 0.5 * stripes).unsqueeze(0) * colours.view(3, 1, 1)
+
+
+# -- thinker --------------------------------------------------------------------------------------
+
+
+class Thinker:
+    """Writes ``max_tokens`` words, emitting each one as it is chosen::
+
+        chunk:  {"index": i, "token_id": id, "text": word}
+        result: {"text": "the quiet river ... .", "token_ids": [...]}
+
+    A plain (sync) stage: it runs in a worker thread and streams with ``ctx.emit_threadsafe``.
+    ``token_delay`` adds that many seconds per token, as a larger model would take, so the
+    stream can be watched; the text does not depend on it.
+    """
+
+    def __init__(self, dim: int = 32, seed: int = 13, token_delay: float = 0.0, no_repeat: int = 8, device: str = "cpu"):
+        self.model = _seeded(seed, lambda: ThinkerLM(dim)).to(device).eval()
+        self.device = device
+        self.token_delay = token_delay
+        self.no_repeat = no_repeat
+
+    def __call__(self, payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        embeds = payload["embeds"].to(self.device, torch.float32)
+        text_ids = torch.tensor(payload["text_ids"], dtype=torch.long, device=self.device)
+        words, ids = [], []
+        with torch.inference_mode():
+            for index, token in enumerate(self.model.generate(embeds, text_ids, payload["max_tokens"], no_repeat=self.no_repeat)):
+                if ctx.aborted:
+                    break
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                ids.append(token)
+                words.append(VOCAB[token])
+                ctx.emit_threadsafe({"index": index, "token_id": token, "text": VOCAB[token]})
+        return {"text": " ".join(words) + ".", "token_ids": ids}
+
+
+# -- talker ---------------------------------------------------------------------------------------
+
+
+class Talker:
+    """Reads the thinker's tokens as they stream in and emits codec frames for each::
+
+        chunk:  {"index": i, "codes": int64 [frames_per_token, codebooks]}
+        result: {"wav_path": ..., "tokens": n, "frames": m}        (the vocoder's payload)
+
+    Its payload (``{"wav_path": ...}`` plus the shared inputs) comes early, straight from
+    preprocess, so it speaks while the thinker is still writing.
+    """
+
+    def __init__(self, source: str = "thinker", dim: int = 32, codebooks: int = 4, codebook_size: int = 64,
+                 frames_per_token: int = 4, seed: int = 14, device: str = "cpu"):
+        self.source = source
+        self.device = device
+        self.model = _seeded(seed, lambda: TalkerLM(dim, codebooks, codebook_size, frames_per_token)).to(device).eval()
+
+    async def __call__(self, payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        state = self.model.initial_state().to(self.device)
+        tokens = frames = 0
+        async for chunk in ctx.stream_from(self.source):
+            with torch.inference_mode():
+                codes, state = self.model.speak(int(chunk["token_id"]), state)
+            codes = codes.cpu().clone()
+            await ctx.emit({"index": tokens, "codes": codes})
+            tokens += 1
+            frames += codes.shape[0]
+        return {"wav_path": payload["wav_path"], "tokens": tokens, "frames": frames}
+
+
+# -- vocoder --------------------------------------------------------------------------------------
+
+
+class Vocoder:
+    """Turns the talker's codec frames into audio as they stream in and writes a WAV file
+    (mono, 16-bit PCM) at ``wav_path``::
+
+        result: {"wav_path": "/abs/path.wav", "sample_rate": 24000, "duration": 2.7,
+                 "samples": ..., "frames": ...}
+
+    The file is written under a temporary name and renamed when complete, so a reader never sees
+    half a file and an aborted request leaves nothing behind.
+    """
+
+    def __init__(self, source: str = "talker", sample_rate: int = 24000, hop: int = 1200, dim: int = 32,
+                 codebooks: int = 4, codebook_size: int = 64, harmonics: int = 4, seed: int = 15, device: str = "cpu"):
+        self.source = source
+        self.sample_rate = sample_rate
+        self.hop = hop
+        self.device = device
+        self.model = _seeded(seed, lambda: VocoderNet(dim, codebooks, codebook_size, harmonics)).to(device).eval()
+
+    async def __call__(self, payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        path = os.path.abspath(payload["wav_path"])
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+        synth = Synth(self.sample_rate, self.hop)
+        frames = 0
+        try:
+            with os.fdopen(fd, "wb") as raw, wave.open(raw, "wb") as out:
+                out.setnchannels(1)
+                out.setsampwidth(2)
+                out.setframerate(self.sample_rate)
+                async for chunk in ctx.stream_from(self.source):
+                    codes = chunk["codes"].to(self.device)
+                    with torch.inference_mode():
+                        params = self.model(codes).cpu()
+                    out.writeframes(to_pcm16(synth.frames(params)))
+                    frames += codes.shape[0]
+                out.writeframes(to_pcm16(synth.tail()))
+            os.chmod(partial, 0o644)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+        return {
+            "wav_path": path,
+            "sample_rate": self.sample_rate,
+            "duration": synth.samples / self.sample_rate,
+            "samples": synth.samples,
+            "frames": frames,
+        }

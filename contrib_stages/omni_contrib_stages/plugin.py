@@ -1,0 +1,65 @@
+"""The omni plugin of omni-contrib-stages: registers its stages, functions and the demo pipeline.
+
+Everything is registered by dotted path, so loading the plugin (which omni does in every process)
+imports nothing but this module; a stage's code is imported only in the process that runs it.
+"""
+
+from __future__ import annotations
+
+import omni_core
+
+_S = "omni_contrib_stages.stages:"
+_D = "omni_contrib_stages.demo.stages:"
+_F = "omni_contrib_stages.functions:"
+
+#: The parts a split payload can have, each with its ``contrib.split.<part>`` projection
+#: (the same tuple as :data:`omni_contrib_stages.functions.SPLIT_PARTS`).
+SPLIT_PARTS = ("audio", "image", "video", "text", "speech")
+
+#: Stages: (name, dotted path, description).
+STAGES: tuple[tuple[str, str, str], ...] = (
+    ("contrib.torch_module", _S + "TorchModule", "runs a torch.nn.Module given by dotted path, micro-batching concurrent requests"),
+    ("contrib.function", _S + "function_stage", "calls a plain Python function given by dotted path"),
+    ("contrib.tee", _S + "Tee", "passes its payload on unchanged; optionally re-emits a stream"),
+    ("contrib.collect", _S + "Collect", "gathers a stream's chunks into one list"),
+    ("contrib.demo.preprocess", _D + "Preprocess", "demo: checks the inputs and splits them per branch"),
+    ("contrib.demo.thinker", _D + "Thinker", "demo: writes words, streaming each one"),
+    ("contrib.demo.talker", _D + "Talker", "demo: turns streamed words into codec frames"),
+    ("contrib.demo.vocoder", _D + "Vocoder", "demo: turns streamed codec frames into a WAV file"),
+)
+
+#: Functions: (name, dotted path, kind, description).
+FUNCTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("contrib.concat_tensors", _F + "concat_tensors", "merge", "concatenates tensors under the same key (dim 0)"),
+    ("contrib.stack_tensors", _F + "stack_tensors", "merge", "stacks tensors under the same key (new dim 0)"),
+    ("contrib.tensors_only", _F + "tensors_only", "project_payload", "keeps only the keys holding tensors"),
+    ("contrib.drop_tensors", _F + "drop_tensors", "project_payload", "keeps only the keys not holding tensors"),
+    ("contrib.drop_private", _F + "drop_private", "project_payload", "drops the control keys (starting with '_')"),
+    *((f"contrib.split.{part}", f"{_F}split_{part}", "project_payload",
+       f"payload[{part!r}] with the 'shared' entries (a split payload's {part} branch)") for part in SPLIT_PARTS),
+    ("contrib.route.to", _F + "route_to", "route", "routes to the stages named by payload['_to'] (all when absent)"),
+)
+
+#: Pipelines: (name, config shipped in this package, description).
+PIPELINES: tuple[tuple[str, str, str], ...] = (
+    ("demo", "omni_contrib_stages:pipelines/demo.yaml",
+     "an omni model in miniature: encoders -> thinker (streams words) -> talker -> vocoder (WAV file)"),
+)
+
+
+@omni_core.hookimpl
+def omni_register_stages(register):
+    for name, target, description in STAGES:
+        register(name, target, description=description)
+
+
+@omni_core.hookimpl
+def omni_register_functions(register):
+    for name, target, kind, description in FUNCTIONS:
+        register(name, target, kind=kind, description=description)
+
+
+@omni_core.hookimpl
+def omni_register_pipelines(register):
+    for name, target, description in PIPELINES:
+        register(name, target, description=description)
