@@ -74,8 +74,9 @@ def omni_register_placements(register):
     """Register placement strategies: ``register("pack", pack, description="...")``.
 
     A strategy is ``fn(request: omni_core.plan.PlacementRequest) -> dict[str, list[int | None]]``
-    giving, for every stage, one GPU id (or None for CPU) per tensor-parallel rank. It must be a
-    pure function; omni validates its answer.
+    giving, for every stage, one GPU id (or None for CPU) per tensor-parallel rank, or per replica
+    and rank (``replicas * tp_size`` entries, replica-major). It must be a pure function; omni
+    checks its answer (visible ids, distinct GPUs for TP ranks, memory budgets).
     """
 
 

@@ -37,7 +37,8 @@ def test_stage_streams_to_another_stage_while_it_runs(same_process):
     cfg = pipeline(
         stage("src", "Echo", next=["tok", "collect"], **process),
         stage("tok", "Tokens", args={"delay": 0.01}, stream_to=["collect"], terminal=True, **process),
-        stage("collect", "Collect", args={"source": "tok"}, terminal=True, **process),
+        # collect's payload (from src) and tok's first chunk race: allow chunks to come first
+        stage("collect", "Collect", args={"source": "tok"}, terminal=True, can_accept_stream_before_payload=True, **process),
     )
     events = arun(_stream(cfg, {"text": "stream"}))
     assert [e.data["token"] for e in events if not e.is_result] == list("stream")
@@ -67,7 +68,7 @@ def test_stream_done_to_fn_chooses_who_gets_the_end_signal():
     cfg = pipeline(
         stage("src", "Echo", next=["tok", "collect"]),
         stage("tok", "Tokens", stream_to=["collect"], stream_done_to_fn=fn("stream_done_by_request_id"), terminal=True),
-        stage("collect", "Collect", args={"source": "tok"}, terminal=True),
+        stage("collect", "Collect", args={"source": "tok"}, terminal=True, can_accept_stream_before_payload=True),
         limits={"request_timeout": 3},
     )
 
