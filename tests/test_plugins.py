@@ -431,6 +431,7 @@ def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeyp
             "acme_omni/pipelines/demo.yaml": guide_block("A config then uses the names"),
         },
     ))
+    forget_guide_modules()  # another test may have imported a package of the same name
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": "acme"})
@@ -448,5 +449,9 @@ def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeyp
         assert (cfg.name, cfg.entry, cfg.terminal_stages) == ("acme-demo", "split", ["out"])
         assert registry.resolve("stage", "acme.upper").__name__ == "UpperStage"
     finally:
-        for name in [m for m in sys.modules if m.startswith("acme_omni")]:
-            del sys.modules[name]
+        forget_guide_modules()
+
+
+def forget_guide_modules() -> None:
+    for name in [m for m in sys.modules if m == "acme_omni" or m.startswith("acme_omni.")]:
+        del sys.modules[name]
