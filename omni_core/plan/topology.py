@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from ..config.schema import PipelineConfig, RelayConfig, StageConfig
+from ..config.schema import PipelineConfig, StageConfig
 from ..errors import ConfigError, ConfigIssue
 from ..registry import Registry
 from .placement import (
@@ -253,36 +253,46 @@ def build_processes(
     return procs
 
 
-def _relay_for(cfg: PipelineConfig, src: StageConfig, registry: Registry) -> RelayConfig:
-    return src.relay or cfg.relay
-
-
-def choose_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry, *, local: bool) -> str:
-    """The relay of an edge leaving ``src``: ``object`` inside one process; the stage's or the
-    pipeline's forced backend; else (``auto``) the highest-priority registered relay that can
-    move host tensors between processes of one node."""
-    if local:
-        return OBJECT_RELAY
-    relay_cfg = _relay_for(cfg, src, registry)
-    if relay_cfg.backend != "auto":
-        return relay_cfg.backend
+def _best_relay(registry: Registry, device: str) -> str | None:
+    """The highest-priority registered relay that moves ``device`` tensors between processes of
+    one node (ties: the first name in order)."""
     best: tuple[int, str] | None = None
     for entry in registry.entries("relay"):
         caps = getattr(entry.load(), "capabilities", None)
-        if caps is None or "cpu" not in caps.devices or "node" not in caps.scopes:
+        if caps is None or device not in caps.devices or "node" not in caps.scopes:
             continue
         if best is None or caps.priority > best[0]:
             best = (caps.priority, entry.name)
-    if best is None:
+    return best[1] if best else None
+
+
+def choose_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry, *, local: bool,
+                 gpus: tuple[bool, bool] = (False, False)) -> str:
+    """The relay of an edge leaving ``src``.
+
+    ``object`` inside one process; else the stage's or the pipeline's forced backend; else
+    (``auto``): when both ends run on GPUs, the best relay for CUDA tensors that is better than
+    staging through host memory (e.g. ``cuda_ipc``, ``nccl`` when installed); otherwise the best
+    relay for host tensors (``shm``, else ``inline``). ``gpus`` says whether the source and the
+    target are placed on a GPU."""
+    if local:
+        return OBJECT_RELAY
+    relay_cfg = src.relay or cfg.relay
+    if relay_cfg.backend != "auto":
+        return relay_cfg.backend
+    host = _best_relay(registry, "cpu")
+    if host is None:
         raise LookupError("no installed relay can move tensors between processes; is omni-core installed correctly?")
-    return best[1]
+    if all(gpus):
+        device = _best_relay(registry, "cuda")
+        host_priority = registry.get("relay", host).load().capabilities.priority
+        if device is not None and registry.get("relay", device).load().capabilities.priority > host_priority:
+            return device
+    return host
 
 
 def build_edges(cfg: PipelineConfig, processes: Sequence[ProcessSpec], registry: Registry) -> list[EdgeSpec]:
-    home = {}
-    for proc in processes:
-        for stage in proc.stages:
-            home.setdefault(stage, set()).add(proc.group)
+    on_gpu = {stage: proc.gpu is not None for proc in processes if proc.is_leader for stage in proc.stages}
     edges = []
     for stage in cfg.stages:
         for kind, targets in (("next", stage.next), ("stream", stage.stream_to)):
@@ -294,7 +304,8 @@ def build_edges(cfg: PipelineConfig, processes: Sequence[ProcessSpec], registry:
                     and stage.tp_size == 1
                     and stage.replicas == 1
                 )
-                edges.append(EdgeSpec(stage.name, dst, kind, choose_relay(cfg, stage, registry, local=local), local))
+                gpus = (on_gpu.get(stage.name, False), on_gpu.get(dst, False))
+                edges.append(EdgeSpec(stage.name, dst, kind, choose_relay(cfg, stage, registry, local=local, gpus=gpus), local))
     return edges
 
 
