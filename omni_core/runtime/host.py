@@ -215,6 +215,10 @@ class Host:
         if relay is None:
             cls = self.registry.resolve("relay", name)
             options = dict(self.config.relay.options) if self.config.relay.backend == name else {}
+            for stage in self.spec.stages:  # a stage's relay options apply to its own edges' relay
+                own = self.config.stage(stage).relay
+                if own is not None and own.backend == name:
+                    options.update(own.options)
             relay = self.relays[name] = cls(RelayContext(self.boot.run_id, self.spec.name, self.boot.runtime_dir, options))
         return relay
 
