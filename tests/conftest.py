@@ -4,13 +4,10 @@ import importlib
 from pathlib import Path
 
 import pytest
-from plugin_fixtures import AcmePlugin, ensure_local_launcher, forget_test_modules, make_plugin_site
+from plugin_fixtures import AcmePlugin, forget_test_modules, make_plugin_site
 
 from omni_core.plugins import load_plugins, reset_plugins
 from omni_core.registry import Registry
-
-TESTS = Path(__file__).parent
-CONFIGS = TESTS / "configs"
 
 
 @pytest.fixture(autouse=True)
@@ -55,4 +52,4 @@ def registry() -> Registry:
     """omni-core's built-ins plus the in-tree 'acme' plugin; no third-party plugin."""
     plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("acme", AcmePlugin())])
     assert not [i.error for i in plugins.infos if i.error]
-    return ensure_local_launcher(plugins.registry)
+    return plugins.registry

@@ -19,7 +19,6 @@ from pathlib import Path
 import attrs
 
 import omni_core
-from omni_core.registry import Entry, Registry
 
 MODULE_PREFIX = "omnitest_"
 
@@ -357,18 +356,6 @@ def wait_for(request_id, from_stage, payload):
 
 def terminals(inputs):
     return None
-
-
-class TestLauncher:
-    """Registered as 'local' in tests when omni-core does not provide it yet."""
-
-
-def ensure_local_launcher(registry: Registry) -> Registry:
-    """Config defaults name the 'local' launcher; register a stand-in when omni-core does not
-    provide one yet, so config tests do not depend on the runtime."""
-    if "local" not in registry.names("launcher"):
-        registry.add(Entry(kind="launcher", name="local", target=TestLauncher, plugin="tests"))
-    return registry
 
 
 class AcmePlugin:

@@ -12,7 +12,6 @@ from plugin_fixtures import (
     BROKEN,
     GOOD,
     FakeDistribution,
-    ensure_local_launcher,
     install_distribution,
 )
 
@@ -67,6 +66,16 @@ def test_installed_plugin_is_discovered_with_its_distribution_version_and_hooks(
     assert upper.plugin == "good"
     assert upper.description == "upper-cases text"
     assert upper.load()("x ").__call__("hi", None) == "x HI"
+
+
+def test_builtins_provide_what_a_default_config_names(load):
+    registry = load("").registry
+    assert "local" in registry.names("launcher")
+    assert "explicit" in registry.names("placement")
+    assert {"inline", "shm"} <= set(registry.names("relay"))
+    assert {"omni.merge_dicts", "omni.by_source"} <= set(registry.names("merge"))
+    for entry in registry.entries():
+        assert entry.plugin in {i.name for i in load("").infos if i.builtin}
 
 
 def test_builtins_load_first_and_are_marked_builtin(load):
@@ -444,7 +453,7 @@ def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeyp
             "pipeline": ["acme.demo"],
         }
         assert "acme_omni.stages" not in sys.modules, "the guide registers the stage lazily"
-        registry = ensure_local_launcher(plugins.registry)
+        registry = plugins.registry
         cfg = load_config("acme.demo", registry=registry)
         assert (cfg.name, cfg.entry, cfg.terminal_stages) == ("acme-demo", "split", ["out"])
         assert registry.resolve("stage", "acme.upper").__name__ == "UpperStage"
