@@ -9,8 +9,9 @@ and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` h
 ``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
 conflict detection. The callback's signature is::
 
-    register(name, obj, *, description=None, **extra)
+    register(name, obj, *, description=None, kind=None)
 
+``kind`` is required for functions (``omni_register_functions``) and not accepted elsewhere.
 ``obj`` is the object itself or a ``"package.module:attr"`` string, imported only when the name is
 used (keeps ``omni plugins list`` and planning cheap). Names are global per kind: two plugins that
 register the same name of the same kind are a conflict, reported naming both. Hooks are called again

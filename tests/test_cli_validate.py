@@ -134,3 +134,19 @@ def test_validate_help_describes_the_argument():
     result = runner.invoke(app, ["validate", "--help"])
     assert result.exit_code == 0
     assert "registered pipeline name" in result.stdout
+
+
+def test_validate_checks_placement_against_simulated_gpus(tmp_path):
+    path = tmp_path / "gpu.yaml"
+    path.write_text(textwrap.dedent("""
+        name: gpu
+        stages:
+          - name: a
+            factory: omni_core.builtin.functions:by_source
+            gpu: 3
+            terminal: true
+    """))
+    too_few = runner.invoke(app, ["validate", str(path), "--gpus", "2"])
+    assert too_few.exit_code == 1
+    assert "stages[0].gpu" in too_few.stderr and "GPU 3" in too_few.stderr and str(path) in too_few.stderr
+    assert runner.invoke(app, ["validate", str(path), "--gpus", "4"]).exit_code == 0

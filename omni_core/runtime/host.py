@@ -30,6 +30,7 @@ import zmq
 
 from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
+from ..config.validate import INJECTED_ARGS
 from ..errors import ConfigError, PluginError
 from ..logs import configure_logging, get_logger
 from ..plan.topology import OBJECT_RELAY, ProcessSpec
@@ -108,14 +109,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _inject(factory: Any, spec: ProcessSpec, stage: StageConfig, tp_init_method: str | None) -> dict[str, Any]:
-    injectable = {
-        "stage_name": stage.name,
-        "device": spec.device,
-        "gpu_id": None if spec.gpu is None else 0,
-        "tp_rank": spec.tp_rank,
-        "tp_size": spec.tp_size,
-        "tp_init_method": tp_init_method,
-    }
+    values = (stage.name, spec.device, None if spec.gpu is None else 0, spec.tp_rank, spec.tp_size, tp_init_method)
+    injectable = dict(zip(INJECTED_ARGS, values, strict=True))
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
