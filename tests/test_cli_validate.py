@@ -142,7 +142,7 @@ def test_validate_checks_placement_against_simulated_gpus(tmp_path):
         name: gpu
         stages:
           - name: a
-            factory: omni_core.builtin.functions:by_source
+            factory: collections:Counter
             gpu: 3
             terminal: true
     """))
