@@ -229,7 +229,9 @@ def test_sweep_removes_segments_of_a_sigkilled_owner_only(make, run_id, tmp_path
     peer.kill()
     assert not peer.process.is_alive()
     assert ShmRelay.sweep(f"other{run_id}") == []
-    assert ShmRelay.sweep(run_id) == doomed
+    removed = ShmRelay.sweep(run_id)
+    # A pipeline starting elsewhere on this machine may sweep all runs first: then it is gone anyway.
+    assert set(removed) <= set(doomed)
     assert [parse_name(n)[1] for n in shm_entries(run_id)] == [os.getpid()]
 
 

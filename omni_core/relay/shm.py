@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import itertools
 import os
 import secrets
@@ -46,7 +47,7 @@ import msgspec
 import torch
 
 from .base import Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
-from .inline import dtype_from_name, dtype_name
+from .inline import _DTYPES, dtype_from_name, dtype_name
 from .shm_segment import (
     ONEOFF,
     Segment,
@@ -63,6 +64,7 @@ _ALIGN = 64
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 5e-3
 _DEAD_GRACE_S = 1.0
+_MEMMOVE_BELOW = 4 << 20
 DEFAULTS = {"slot_bytes": 4 << 20, "slots": 32, "timeout": 30.0}
 
 
@@ -77,6 +79,7 @@ class _Handle(msgspec.Struct, array_like=True):
     shapes: list[list[int]]
 
 
+_DTYPE_NAMES = {dt: dtype_name(dt) for dt in _DTYPES.values()}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Handle).decode
 
@@ -161,7 +164,8 @@ def _layout(tensors: Sequence[Any]) -> tuple[list[int], int]:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             raise TypeError(f"shm relay: item {i} is a {type(t).__name__} "
                             f"{getattr(t, 'layout', '')}, not a dense torch.Tensor")
-        dtype_from_name(dtype_name(t.dtype))  # unsupported dtypes fail here, before any copy
+        if t.dtype not in _DTYPE_NAMES:
+            dtype_from_name(dtype_name(t.dtype))  # raises: unsupported dtype, before any copy
         offset = -(-cursor // _ALIGN) * _ALIGN
         offsets.append(offset)
         cursor = offset + t.numel() * t.element_size()
@@ -282,7 +286,7 @@ class ShmRelay(Relay):
         if self._closed:
             raise ShmRelayError("shm relay: put after close")
         offsets, nbytes = _layout(tensors)
-        dtypes = [dtype_name(t.dtype) for t in tensors]
+        dtypes = [_DTYPE_NAMES[t.dtype] for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         if nbytes == 0:
             return Transfer(_encode(_Handle("", 0, 0, request_id, 0, offsets, dtypes, shapes)))
@@ -290,10 +294,7 @@ class ShmRelay(Relay):
         base = span.slot * seg.slot_bytes
         try:
             for t, offset in zip(tensors, offsets, strict=True):
-                size = t.numel() * t.element_size()
-                if size:
-                    dst = seg.data[base + offset : base + offset + size]
-                    dst.view(t.dtype).view(t.shape).copy_(t.detach())
+                _copy_in(seg, base + offset, t)
         except BaseException:
             release()
             raise
@@ -305,6 +306,9 @@ class ShmRelay(Relay):
         nslots = -(-nbytes // self.slot_bytes)
         if nslots <= self.slots:
             pool = self._pool(target)
+            span = None if pool.waiters else pool.take(nslots, request_id, next(self._tickets))
+            if span is not None:  # the common case: credits available, nobody queued
+                return pool.seg, span, lambda: pool.free(span)
             segs = (pool.seg,)
             wait = self._wait(pool.waiters, target, nbytes, pool.holders, lambda: segs)
             span = await _acquire(wait, lambda: pool.take(nslots, request_id, next(self._tickets)))
@@ -367,15 +371,13 @@ class ShmRelay(Relay):
                 f"shm relay: handle of request {h.request_id} is stale: its sender reclaimed the "
                 "slot (the request was cleaned up or aborted)"
             )
+        storage = seg.data.untyped_storage()
         out = []
         for dt, shape, offset in zip(h.dtypes, h.shapes, h.offsets, strict=True):
             dtype = dtype_from_name(dt)
-            size = dtype.itemsize * _numel(shape)
-            if size == 0:
-                out.append(torch.empty(tuple(shape), dtype=dtype))
-                continue
-            start = h.base + offset
-            out.append(seg.data[start : start + size].view(dtype).view(tuple(shape)))
+            # A view of the pool's storage (offsets are 64-aligned, so in whole elements).
+            out.append(torch.empty(0, dtype=dtype).set_(
+                storage, (h.base + offset) // dtype.itemsize, tuple(shape)))
         self._held[key] = h.request_id
         return out
 
@@ -434,8 +436,16 @@ class ShmRelay(Relay):
         return sweep(run_id)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
+def _copy_in(seg: Segment, offset: int, t: torch.Tensor) -> None:
+    """Copy ``t`` into ``seg``'s data at ``offset``: a plain memmove for small contiguous host
+    tensors (torch's per-call overhead dominates there), torch ``copy_`` otherwise (strides,
+    conjugate views, device to host; several intra-op threads may share a large copy)."""
+    size = t.numel() * t.element_size()
+    if not size:
+        return
+    if (size < _MEMMOVE_BELOW and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg()):
+        ctypes.memmove(seg.data.data_ptr() + offset, t.data_ptr(), size)
+        return
+    dst = seg.data[offset : offset + size].view(t.dtype).view(t.shape)
+    dst.copy_(t.detach())
