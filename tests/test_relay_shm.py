@@ -12,7 +12,7 @@ import torch
 
 from omni_core.relay.base import RelayContext, RelayTimeout
 from omni_core.relay.shm import ShmRelay, ShmRelayError, _decode
-from omni_core.relay.shm_segment import parse_name
+from omni_core.relay.shm_segment import MAGIC, parse_name, pid_namespace
 from omni_core.testing.peer import PeerState, RelayPeer, put_seeded
 from omni_core.testing.relay_conformance import RelayConformance, sample, shm_entries
 
@@ -233,6 +233,47 @@ def test_sweep_removes_segments_of_a_sigkilled_owner_only(make, run_id, tmp_path
     # A pipeline starting elsewhere on this machine may sweep all runs first: then it is gone anyway.
     assert set(removed) <= set(doomed)
     assert [parse_name(n)[1] for n in shm_entries(run_id)] == [os.getpid()]
+
+
+def _fake_segment(run_id: str, pid: int, words: dict[int, int]) -> str:
+    name = f"omni-{run_id}-p{pid}-fake"
+    header = bytearray(4096)
+    for index, value in words.items():
+        header[index * 8 : index * 8 + 8] = value.to_bytes(8, "little")
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(header)
+    return name
+
+
+def test_sweep_leaves_segments_of_other_pid_namespaces_alone(run_id):
+    dead_pid = 999_999_999
+    ours = _fake_segment(run_id, dead_pid, {0: MAGIC, 10: pid_namespace()})
+    foreign = _fake_segment(run_id, dead_pid + 1, {0: MAGIC, 10: pid_namespace() + 1})
+    try:
+        assert ShmRelay.sweep(run_id) == [ours]
+        assert shm_entries(run_id) == [foreign]
+    finally:
+        os.unlink(f"/dev/shm/{foreign}")
+
+
+def test_receiver_unmaps_pools_of_dead_senders(make, run_id, tmp_path):
+    receiver, survivor = make("b"), make("a")
+    peer = RelayPeer.start("shm", RelayContext(run_id, "doomed", str(tmp_path), OPTIONS))
+    handle, _ = peer.call(put_seeded, 1, "b", 0, [[10]])
+    run(receiver.get(handle))
+    receiver.release(handle)
+    doomed = _decode(handle).segment
+    assert doomed in _mapped_files()
+    peer.kill()
+    transfer = run(survivor.put(1, [torch.ones(2)], "b"))
+    run(receiver.get(transfer.handle))  # mapping a new pool evicts the dead sender's
+    assert doomed not in _mapped_files()
+    ShmRelay.sweep(run_id)
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
 
 
 def test_sweep_ignores_files_that_are_not_segments(run_id):

@@ -13,6 +13,7 @@ Layout: 64-bit little-endian words, then the data region at a page boundary::
     word 2  owner pid                 word 7  receiver pid (written by the receiver when it maps)
     word 3  owner start time          word 8  receiver start time
     word 4  slots                     word 9  kind (1: pool, 2: one-off)
+                                      word 10 owner's pid namespace (inode of /proc/self/ns/pid)
     words 16 .. 16+slots-1            issued[slot]: ticket of the span starting there (owner writes)
     words 16+slots .. 16+2*slots-1    released[slot]: ticket the receiver released (receiver writes)
 
@@ -38,7 +39,7 @@ MAGIC = int.from_bytes(b"OMNISHM1", "little")
 VERSION = 1
 POOL, ONEOFF = 1, 2
 _W_MAGIC, _W_VERSION, _W_OWNER, _W_OWNER_START, _W_SLOTS, _W_SLOT_BYTES = range(6)
-_W_DATA, _W_RECV, _W_RECV_START, _W_KIND = 6, 7, 8, 9
+_W_DATA, _W_RECV, _W_RECV_START, _W_KIND, _W_PIDNS = 6, 7, 8, 9, 10
 _W_TICKETS = 16
 _NAME_RE = re.compile(r"^omni-(?P<run>.+)-p(?P<pid>\d+)-(?P<tag>[A-Za-z0-9_.]+)$")
 
@@ -67,6 +68,14 @@ def parse_name(name: str) -> tuple[str, int] | None:
     """``(run token, owner pid)`` of a segment name, or None for names this relay never makes."""
     match = _NAME_RE.match(name)
     return (match["run"], int(match["pid"])) if match else None
+
+
+def pid_namespace() -> int:
+    """An id of this process's pid namespace: pids from another one say nothing about liveness."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -148,6 +157,7 @@ class Segment:
         pid = os.getpid()
         for index, value in ((_W_VERSION, VERSION), (_W_OWNER, pid), (_W_SLOTS, slots),
                              (_W_OWNER_START, process_start_time(pid)), (_W_KIND, kind),
+                             (_W_PIDNS, pid_namespace()),
                              (_W_SLOT_BYTES, slot_bytes), (_W_DATA, data_offset), (_W_MAGIC, MAGIC)):
             words[index] = value
         words.release()
@@ -213,6 +223,7 @@ class Segment:
 def sweep(run_id: str | None = None) -> list[str]:
     """Unlink segments whose owner process is dead (only ``run_id``'s when given); their names."""
     token = run_token(run_id) if run_id is not None else None
+    namespace = pid_namespace()
     removed = []
     for name in sorted(os.listdir(SHM_DIR)):
         parsed = parse_name(name)
@@ -224,12 +235,15 @@ def sweep(run_id: str | None = None) -> list[str]:
         except OSError:
             continue
         try:
-            head = os.pread(fd, 32, 0)
+            head = os.pread(fd, 8 * (_W_PIDNS + 1), 0)
         finally:
             os.close(fd)
-        if len(head) == 32 and int.from_bytes(head[:8], "little") not in (MAGIC, 0):
+        words = [int.from_bytes(head[i : i + 8], "little") for i in range(0, len(head) - 7, 8)]
+        if words and words[_W_MAGIC] not in (MAGIC, 0):
             continue  # not ours (another component using the omni- prefix); 0: creation cut short
-        owner_start = int.from_bytes(head[24:32], "little") if len(head) == 32 else 0
+        if len(words) > _W_PIDNS and words[_W_PIDNS] not in (0, namespace):
+            continue  # a container sharing /dev/shm: its pids are not ours to judge
+        owner_start = words[_W_OWNER_START] if len(words) > _W_OWNER_START else 0
         if process_alive(parsed[1], owner_start):
             continue
         try:
