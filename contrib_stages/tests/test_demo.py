@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import wave
 
 import pytest
@@ -166,6 +167,27 @@ def test_audio_and_image_inputs_are_accepted(demo, tmp_path):
     default = call(pipeline.submit({"text": TEXT, "speak": False}))
     assert len(given["thinker"]["token_ids"]) == 13
     assert given["thinker"]["token_ids"] != default["thinker"]["token_ids"]  # the encoders' output matters
+
+
+def test_leaving_the_stream_early_aborts_the_request_everywhere(demo, tmp_path):
+    pipeline, call = demo
+
+    async def read_three():
+        events = []
+        stream = pipeline.stream({"text": TEXT, "wav_path": str(tmp_path / "aborted.wav"), "max_tokens": 40})
+        async for event in stream:
+            events.append(event)
+            if len(events) == 3:
+                break
+        await stream.aclose()
+        return events
+
+    events = call(read_three())
+    assert [e.data["index"] for e in events] == [0, 1, 2]
+    time.sleep(1.5)  # unaborted, the thinker would have finished its 40 words and the vocoder its file
+    assert not list(tmp_path.iterdir())  # no WAV, no partial file
+    again = call(pipeline.submit({"text": TEXT, "wav_path": str(tmp_path / "after.wav"), "max_tokens": 3}))
+    assert len(again["thinker"]["token_ids"]) == 3 and os.path.exists(again["vocoder"]["wav_path"])
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ class Preprocess:
         payload: dict[str, Any] = {
             "audio": {"features": self._features(audio)},
             "image": {"pixels": self._image(inputs.get("image"), text_ids)},
-            "speech": {"wav_path": os.path.abspath(wav_path)},
+            "speech": {"wav_path": os.path.abspath(os.path.expanduser(wav_path))},
             "shared": {"text": text, "text_ids": text_ids, "max_tokens": max_tokens},
         }
         if not speak:
