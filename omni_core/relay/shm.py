@@ -16,7 +16,7 @@ one more second instead, leaving the runtime that time to ``cleanup`` its reques
 
 No back-channel. Slot state lives in the segment header (see :mod:`.shm_segment`): the sender
 writes the span's ticket to ``issued``, the receiver writes it to ``released`` when done; the
-sender reclaims lazily when it needs space. ``cleanup(request_id)`` on the sender abandons the
+sender reclaims released spans before each allocation (lowest slots first, so they stay warm). ``cleanup(request_id)`` on the sender abandons the
 spans of that request (a late release of their tickets can never free a reissued span).
 
 Oversized transfers (more bytes than the whole pool) go through a one-off segment of their exact
@@ -361,6 +361,8 @@ class ShmRelay(Relay):
     # -- receiver -------------------------------------------------------------------------------
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
+        if self._closed:
+            raise ShmRelayError("shm relay: get after close")
         key = bytes(handle)
         h = _decode(key)
         if not h.segment:
@@ -394,7 +396,7 @@ class ShmRelay(Relay):
         key = bytes(handle)
         self._held.pop(key, None)
         h = _decode(key)
-        if not h.segment:
+        if not h.segment or self._closed:
             return
         seg = self._maps.get(h.segment)
         if seg is None:

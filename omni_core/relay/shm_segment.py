@@ -175,6 +175,8 @@ class Segment:
             ) from None
         try:
             mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except (OSError, ValueError) as exc:
+            raise ShmRelayError(f"shm relay: cannot map segment {name}: {exc}") from None
         finally:
             os.close(fd)
         return cls(name, mm)
