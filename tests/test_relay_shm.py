@@ -265,6 +265,7 @@ def test_receiver_unmaps_pools_of_dead_senders(make, run_id, tmp_path):
     doomed = _decode(handle).segment
     assert doomed in _mapped_files()
     peer.kill()
+    assert not peer.process.is_alive()
     transfer = run(survivor.put(1, [torch.ones(2)], "b"))
     run(receiver.get(transfer.handle))  # mapping a new pool evicts the dead sender's
     assert doomed not in _mapped_files()
