@@ -393,6 +393,20 @@ def _factory_args(ctx: _Context, i: int) -> None:
 
 
 @rule
+def auto_relay_options(cfg: PipelineConfig, ctx: _Context) -> None:
+    """Under ``auto`` the relay is chosen per edge, so options are given per relay name."""
+    sections = [("relay", cfg.relay)] + [(_sp(i, "relay"), s.relay) for i, s in enumerate(cfg.stages) if s.relay]
+    for path, relay in sections:
+        if relay.backend != "auto":
+            continue
+        for key, value in relay.options.items():
+            if not isinstance(value, dict) or ctx.registry.problem("relay", key):
+                known = ", ".join(ctx.registry.names("relay"))
+                ctx.add(f"{path}.options.{key}", f"under backend 'auto', options are given per relay: {key!r} is not a relay name with a mapping of options",
+                        f"write e.g. 'options: {{shm: {{slots: 8}}}}'; relays: {known}")
+
+
+@rule
 def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
     for i, stage in enumerate(cfg.stages):
         if not _resolvable(ctx, _sp(i, "factory"), "stage", stage.factory):

@@ -82,6 +82,16 @@ class Bootstrap:
     followers: tuple[str, ...] = ()
 
 
+def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
+    """The options of relay ``name`` in a ``relay:`` config: its ``options`` when it names that
+    backend; under ``auto``, the ``options`` entry named after the relay (``{shm: {slots: 8}}``)."""
+    if relay_cfg.backend == name:
+        return dict(relay_cfg.options)
+    if relay_cfg.backend == "auto" and isinstance(relay_cfg.options.get(name), dict):
+        return dict(relay_cfg.options[name])
+    return {}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -209,11 +219,11 @@ class Host:
         relay = self.relays.get(name)
         if relay is None:
             cls = self.registry.resolve("relay", name)
-            options = dict(self.config.relay.options) if self.config.relay.backend == name else {}
+            options = relay_options(self.config.relay, name)
             for stage in self.spec.stages:  # a stage's relay options apply to its own edges' relay
                 own = self.config.stage(stage).relay
-                if own is not None and own.backend == name:
-                    options.update(own.options)
+                if own is not None:
+                    options.update(relay_options(own, name))
             relay = self.relays[name] = cls(RelayContext(self.boot.run_id, self.spec.name, self.boot.runtime_dir, options))
         return relay
 
