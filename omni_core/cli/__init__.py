@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # Each command lives in its own module and registers itself on ``app``.
+from . import clean as _clean  # noqa: E402,F401
 from . import plan as _plan  # noqa: E402,F401
 from . import plugins as _plugins  # noqa: E402,F401
 from . import run as _run  # noqa: E402,F401

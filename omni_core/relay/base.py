@@ -106,8 +106,8 @@ class Relay(abc.ABC):
         """Free every resource of this relay in this process."""
 
     @classmethod
-    def sweep(cls, run_id: str | None = None) -> list[str]:
+    def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         """Remove resources left behind by crashed runs (``run_id``: only that run's).
 
-        Returns what was removed, for reports."""
+        Returns what was removed (with ``dry_run``: what would be), for ``omni clean``."""
         return []

@@ -434,8 +434,8 @@ class ShmRelay(Relay):
         self._held.clear()
 
     @classmethod
-    def sweep(cls, run_id: str | None = None) -> list[str]:
-        return sweep(run_id)
+    def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+        return sweep(run_id, dry_run=dry_run)
 
 
 def _copy_in(seg: Segment, offset: int, t: torch.Tensor) -> None:

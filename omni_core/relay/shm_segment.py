@@ -222,8 +222,9 @@ class Segment:
             self._mm.close()
 
 
-def sweep(run_id: str | None = None) -> list[str]:
-    """Unlink segments whose owner process is dead (only ``run_id``'s when given); their names."""
+def sweep(run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
+    """Unlink segments whose owner process is dead (only ``run_id``'s when given); their names.
+    ``dry_run``: only list them."""
     token = run_token(run_id) if run_id is not None else None
     namespace = pid_namespace()
     removed = []
@@ -247,6 +248,9 @@ def sweep(run_id: str | None = None) -> list[str]:
             continue  # a container sharing /dev/shm: its pids are not ours to judge
         owner_start = words[_W_OWNER_START] if len(words) > _W_OWNER_START else 0
         if process_alive(parsed[1], owner_start):
+            continue
+        if dry_run:
+            removed.append(name)
             continue
         try:
             os.unlink(path)

@@ -57,8 +57,9 @@ def _signal_name(exitcode: int | None) -> str | None:
     return None
 
 
-def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
-    """Remove runtime directories of runs whose parent process is gone (after a SIGKILL)."""
+def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) -> list[str]:
+    """Remove runtime directories of runs whose parent process is gone (after a SIGKILL).
+    ``dry_run``: only list them."""
     base = base or tempfile.gettempdir()
     removed = []
     with contextlib.suppress(OSError):
@@ -71,7 +72,8 @@ def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
             except (ValueError, PermissionError):
                 continue
             except ProcessLookupError:
-                shutil.rmtree(entry.path, ignore_errors=True)
+                if not dry_run:
+                    shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
 
