@@ -32,6 +32,7 @@ from .plugins import hookimpl
 # validate` and plugin modules that only register names stay fast.
 _LAZY = {
     "Event": "omni_core.runtime.requests",
+    "MicroBatcher": "omni_core.batching",
     "Pipeline": "omni_core.runtime.pipeline",
     "StageContext": "omni_core.runtime.context",
     "SyncPipeline": "omni_core.runtime.sync",
@@ -51,6 +52,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Event",
+    "MicroBatcher",
     "Pipeline",
     "StageContext",
     "SyncPipeline",

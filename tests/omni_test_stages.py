@@ -251,3 +251,8 @@ class AllReduce:
         if payload.get("emit"):
             await ctx.emit({"rank_sum": float(part.sum())})
         return {"x": part, "ranks": self.size, "pid": os.getpid()}
+
+
+class Cwd:
+    def __call__(self, payload, ctx):
+        return {"cwd": os.getcwd()}

@@ -220,3 +220,10 @@ def test_sync_pipeline_serves_blocking_callers_from_threads():
         events = list(p.stream({"text": "ab"}))
     assert results == [{"text": f"T{i}"} for i in range(8)]
     assert [e.data for e in events] == [{"token": "A"}, {"token": "B"}, {"text": "AB"}]
+
+
+def test_stage_processes_start_in_the_callers_working_directory(tmp_path, monkeypatch):
+    cfg = pipeline(stage("c", "Cwd", terminal=True))
+    monkeypatch.chdir(tmp_path)
+    [out] = arun(_submit_all(cfg, {}))
+    assert out == {"cwd": str(tmp_path)}

@@ -80,6 +80,7 @@ class Bootstrap:
     env: dict[str, str]
     parent_pid: int
     followers: tuple[str, ...] = ()
+    cwd: str | None = None
 
 
 def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
@@ -510,8 +511,13 @@ class Host:
 
 
 def _apply_env(boot: Bootstrap) -> None:
+    """The process's environment and working directory are the caller's at start (a forkserver
+    child would otherwise inherit the forkserver's), plus the plan's variables."""
     os.environ.clear()
     os.environ.update(boot.env)
+    if boot.cwd:
+        with contextlib.suppress(OSError):
+            os.chdir(boot.cwd)
     torch.set_num_threads(max(1, boot.process.threads))
 
 

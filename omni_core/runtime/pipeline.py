@@ -183,6 +183,7 @@ class Pipeline:
                 env=env,
                 parent_pid=os.getpid(),
                 followers=tuple(p.name for p in plan.processes if p.leader == spec.name),
+                cwd=os.getcwd(),
             )
         deadline = time.monotonic() + cfg.limits.startup_timeout
         for name in self.boots:
