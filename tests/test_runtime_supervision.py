@@ -17,6 +17,7 @@ from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs,
 
 from omni_core import Pipeline, ProcessDied
 from omni_core.errors import PipelineClosed, RequestAborted
+from omni_core.testing.leaks import alive
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -95,9 +96,9 @@ def test_children_exit_when_the_parent_is_sigkilled():
         proc.kill()
         proc.wait(5)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in info["pids"]):
+        while time.monotonic() < deadline and any(alive(pid) for pid in info["pids"]):
             time.sleep(0.1)
-        left = [pid for pid in info["pids"] if os.path.exists(f"/proc/{pid}") and _not_zombie(pid)]
+        left = [pid for pid in info["pids"] if alive(pid)]
         assert not left, f"stage processes outlived their parent: {left}"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and os.path.exists(info["dir"]):
@@ -105,14 +106,6 @@ def test_children_exit_when_the_parent_is_sigkilled():
         assert not os.path.exists(info["dir"])
     finally:
         proc.kill()
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_stop_escalates_when_a_stage_ignores_shutdown():

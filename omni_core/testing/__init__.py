@@ -4,6 +4,8 @@
   as pytest tests a relay package subclasses to run against its backend.
 - :mod:`omni_core.testing.peer`: ``RelayPeer``, a relay in a spawned process for cross-process
   tests of one's own.
+- :mod:`omni_core.testing.leaks`: the ``no_leaks`` fixture and helpers that check a test left no
+  stage process, runtime directory or /dev/shm segment behind.
 
 Importing this package does not import pytest; the conformance module does.
 """
