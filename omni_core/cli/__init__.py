@@ -6,6 +6,7 @@ prints. Exit codes: 0 success, 1 the input was wrong (config, request), 2 bad us
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Annotated
 
@@ -52,6 +53,20 @@ def _main(
     from ..logs import configure_logging
 
     configure_logging(log_level)
+
+
+def fail_config(exc, *, source: str, as_json: bool):
+    """Print every issue of a ConfigError (as JSON, or as text on stderr) and exit 1."""
+    from ..errors import ConfigError
+
+    if not exc.source:
+        exc = ConfigError(exc.issues, source=source)
+    if as_json:
+        issues = [{"path": i.path, "message": i.message, "hint": i.hint} for i in exc.issues]
+        print(json.dumps({"valid": False, "errors": issues}, indent=2))
+    else:
+        err.print(str(exc), markup=False, highlight=False)
+    raise typer.Exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, err
+from . import app, err, fail_config
 
 
 class PlanFormat(str, enum.Enum):
@@ -52,14 +52,7 @@ def plan(
         cfg = load_config(config)
         result = build_plan(cfg, get_registry(), gpus=gpus, environ=os.environ)
     except ConfigError as exc:
-        exc = exc if exc.source else ConfigError(exc.issues, source=config)
-        if fmt is PlanFormat.json:
-            print(json.dumps({"valid": False, "errors": [
-                {"path": i.path, "message": i.message, "hint": i.hint} for i in exc.issues
-            ]}, indent=2))
-        else:
-            err.print(str(exc), markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail_config(exc, source=config, as_json=fmt is PlanFormat.json)
     except (PluginError, LookupError) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None

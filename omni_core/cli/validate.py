@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, err
+from . import app, fail_config
 
 # -- omni validate -------------------------------------------------------------------------------
 
@@ -31,18 +31,9 @@ def validate(
             from ..plan import build_plan
             from ..plugins import get_registry
 
-            try:
-                build_plan(cfg, get_registry(), gpus=gpus)
-            except ConfigError as exc:
-                raise ConfigError(exc.issues, source=config) from None
+            build_plan(cfg, get_registry(), gpus=gpus)
     except ConfigError as exc:
-        if as_json:
-            print(json.dumps({"valid": False, "errors": [
-                {"path": i.path, "message": i.message, "hint": i.hint} for i in exc.issues
-            ]}, indent=2))
-        else:
-            err.print(str(exc), markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        fail_config(exc, source=config, as_json=as_json)
     processes = {s.process or s.name for s in cfg.stages}
     summary = (
         f"{config}: valid pipeline {cfg.name!r}: {len(cfg.stages)} stages, "
