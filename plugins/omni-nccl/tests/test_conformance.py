@@ -1,0 +1,14 @@
+"""The relay conformance kit against ``nccl``, on CPU tensors over gloo (the path that runs without
+a GPU), resolved by name through the installed plugin."""
+
+from __future__ import annotations
+
+from omni_core.testing.relay_conformance import RelayConformance
+
+
+class TestNcclRelay(RelayConformance):
+    relay_name = "nccl"
+    relay_options = {"credits": 4, "timeout": 1.0, "link_timeout": 30.0}
+    credits = 4
+    put_timeout = 1.0
+    large_bytes = 8 << 20
