@@ -35,6 +35,12 @@ def test_omni_plugins_list_shows_the_distribution_and_its_relay():
     assert plugin["builtin"] is False
 
 
+def test_tox_runs_against_the_installed_package_not_the_source_tree():
+    if "TOX_ENV_NAME" not in os.environ:
+        return  # a development run may use an editable install
+    assert "site-packages" in omni_nccl.__file__, omni_nccl.__file__
+
+
 def test_relay_resolves_by_name_and_declares_what_it_moves():
     registry = load_plugins(env={"OMNI_LOAD_PLUGINS": "nccl"}).registry
     cls = registry.resolve("relay", "nccl")
