@@ -14,6 +14,7 @@ Layout (little-endian int64 words)::
     word 3  sender start time          word 9  sender closed (1 once the sender dropped the link)
     word 4  receiver pid (receiver)    word 10 receiver closed (1 once the receiver's relay closed)
     word 5  receiver start time        word 11 device kind (1: cpu through gloo, 2: cuda through nccl)
+                                       word 12 sender connecting (1 once it builds its end of the group)
     words 16 ..                        issued[slot]: ticket the sender put there (0: abandoned)
     then                               released[slot]: ticket the receiver released
     then, per ring entry               seq, nbytes, slot, ticket, request_id (seq written last)
@@ -42,6 +43,7 @@ CPU, CUDA = 1, 2
 KINDS = {"cpu": CPU, "cuda": CUDA}
 _W_MAGIC, _W_VERSION, _W_SENDER, _W_SENDER_START, _W_RECEIVER, _W_RECEIVER_START = range(6)
 _W_CREDITS, _W_RING, _W_RECEIVED, _W_SENDER_CLOSED, _W_RECEIVER_CLOSED, _W_KIND = range(6, 12)
+_W_CONNECTING = 12
 _W_SLOTS = 16
 _ENTRY = 5  # words per ring entry
 
@@ -193,6 +195,14 @@ class Ledger:
 
     def mark_sender_closed(self) -> None:
         self.words[_W_SENDER_CLOSED] = 1
+
+    def mark_connecting(self) -> None:
+        """The sender saw its receiver join and now builds its end of the group."""
+        self.words[_W_CONNECTING] = 1
+
+    @property
+    def connecting(self) -> bool:
+        return bool(self.words[_W_CONNECTING])
 
     # -- the receiver's words -------------------------------------------------------------------
 

@@ -396,6 +396,9 @@ class _SendLink:
                 if self.stopping.wait(delay):
                     return
                 delay = min(delay * 2, _POLL_MAX_S)
+            if self.ledger.receiver_closed:
+                raise NcclRelayError("the receiver closed its relay before the link connected")
+            self.ledger.mark_connecting()
             group = _new_group(self.kind, self.path + ".store", 0, self.relay.link_timeout)
             _hello(group, 0, self.kind, self.device, self.relay.link_timeout)
         except Exception as exc:
@@ -527,6 +530,8 @@ class _RecvLink:
         try:
             if self.kind == "cuda":
                 torch.cuda.set_device(self.device)
+            if not self._sender_connecting():
+                return
             group = _new_group(self.kind, self.path + ".store", 1, self.relay.link_timeout)
             _hello(group, 1, self.kind, self.device, self.relay.link_timeout)
             self._receive(group)
@@ -539,6 +544,24 @@ class _RecvLink:
             del group
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path + ".store")
+
+    def _sender_connecting(self) -> bool:
+        """Wait, interruptibly, until the sender builds its end of the group: only then does
+        this end block in the group's rendezvous, so a sender that closes first never leaves
+        this thread (and the relay's close) waiting for ``link_timeout``."""
+        delay, next_check = 1e-3, 0.0
+        with self.cond:
+            while not self.ledger.connecting:
+                if self.stopping:
+                    return False
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _HEALTH_EVERY_S
+                    if self.ledger.sender_gone():
+                        raise NcclRelayError("its sender closed the link or died before connecting")
+                self.cond.wait(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+        return True
 
     def _receive(self, group: Any) -> None:
         idle, next_check = _POLL_MIN_S, 0.0

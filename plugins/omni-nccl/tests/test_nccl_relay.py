@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 import types
@@ -247,6 +248,23 @@ def test_get_from_a_sender_killed_before_delivery_is_a_clear_error(make, runtime
     assert leftovers and all(f".p{sender.process.pid}." in n for n in leftovers)
     for name in leftovers:
         os.unlink(os.path.join(runtime_dir, name))
+
+
+def test_close_does_not_wait_for_a_sender_that_never_connects(make):
+    receiver, sender = make.relay("b"), make.peer("a")
+    handle, _ = sender.call(cmd.put_seeded, 1, "b", 0, [[10]])
+    os.kill(sender.process.pid, signal.SIGSTOP)  # alive, but its link never connects
+    try:
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(receiver.get(handle, []), 0.5)
+
+        run(give_up())
+        started = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - started < 2, "close waited for the link's rendezvous"
+    finally:
+        os.kill(sender.process.pid, signal.SIGCONT)
 
 
 # -- the event loop ---------------------------------------------------------------------------
