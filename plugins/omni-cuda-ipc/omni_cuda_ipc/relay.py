@@ -203,14 +203,15 @@ class _Buffers:
         fits = [b for b in self.free if nbytes <= b.numel() <= 2 * nbytes + (1 << 16)]
         if fits:
             best = min(fits, key=lambda b: b.numel())
-            self.free.remove(best)
+            self.free = [b for b in self.free if b is not best]  # identity: == compares values
             return best
         return torch.empty(-(-nbytes // (1 << 16)) * (1 << 16), dtype=torch.uint8, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
         if len(self.free) > self.keep:
-            self.free.remove(min(self.free, key=lambda b: b.numel()))
+            smallest = min(self.free, key=lambda b: b.numel())
+            self.free = [b for b in self.free if b is not smallest]
 
 
 # -- sender side ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from omni_cuda_ipc.ledger import Ledger, LedgerError, process_alive
 from omni_cuda_ipc.relay import (
     CudaIpcRelay,
     CudaIpcRelayError,
+    _Buffers,
     _decode,
     _encode,
     _Handle,
@@ -62,6 +63,20 @@ def test_contiguous_strides():
     assert _strides([]) == ()
     assert _strides([3, 0, 2]) == (2, 2, 1)
     assert torch.empty(3, 0, 2).stride() == _strides([3, 0, 2])
+
+
+def test_receive_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
+    pool = _Buffers(keep=2)
+    small, large = pool.take(1000, torch.device("cpu")), pool.take(1 << 20, torch.device("cpu"))
+    assert small.numel() == 1 << 16 and large.numel() == 1 << 20
+    pool.give(large)
+    pool.give(small)
+    assert pool.take(600_000, torch.device("cpu")) is large
+    assert pool.take(30_000, torch.device("cpu")) is small
+    fresh = pool.take(30_000, torch.device("cpu"))
+    for buffer in (small, large, fresh):
+        pool.give(buffer)
+    assert len(pool.free) == 2 and any(b is large for b in pool.free), "the smallest goes first"
 
 
 # -- options and tensors ----------------------------------------------------------------------

@@ -226,7 +226,7 @@ class _Buffers:
             fits = [b for b in self.free if nbytes <= b.numel() <= 2 * nbytes + 4096]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
-                self.free.remove(best)
+                self.free = [b for b in self.free if b is not best]  # identity: == compares values
                 return best
         return torch.empty(-(-nbytes // 4096) * 4096, dtype=torch.uint8, device=device)
 
@@ -234,7 +234,8 @@ class _Buffers:
         with self.lock:
             self.free.append(buffer)
             if len(self.free) > self.keep:
-                self.free.remove(min(self.free, key=lambda b: b.numel()))
+                smallest = min(self.free, key=lambda b: b.numel())
+                self.free = [b for b in self.free if b is not smallest]
 
     def clear(self) -> None:
         with self.lock:
