@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from ..config import PipelineConfig, load_config
+from ..config import PipelineConfig, load_config, to_dict
 from ..errors import (
     OmniError,
     Overloaded,
@@ -38,6 +38,7 @@ from ..errors import (
 from ..logs import get_logger
 from ..plan.topology import OBJECT_RELAY, Plan, build_plan, endpoints
 from ..plugins import get_registry
+from ..relay.base import Relay, RelayContext
 from ..relay.payload import pack, unpack
 from . import wire
 from .channel import Inbox, Outbox
@@ -111,6 +112,7 @@ class Pipeline:
         self._terminal_fn = None
         self._stateful: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._caller_relay_instance: Relay | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -167,11 +169,9 @@ class Pipeline:
         self.launcher = launcher_cls(dict(cfg.launcher.options))
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
         edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
-        from ..config.load import to_dict
-
         config_data = to_dict(cfg)
         for spec in plan.processes:
-            env = {**spec.env, **os.environ, **spec.forced_env}
+            env = spec.environment(os.environ)
             self.boots[spec.name] = Bootstrap(
                 run_id=self.run_id,
                 runtime_dir=self.runtime_dir,
@@ -377,12 +377,9 @@ class Pipeline:
         if self.requests.get(msg.rid) is req:
             self._on_data(req, msg, payload)
 
-    _caller_relay_instance = None
-
-    def _caller_relay(self):
+    def _caller_relay(self) -> Relay:
+        """The relay of the caller's edges (inputs in, results and events out)."""
         if self._caller_relay_instance is None:
-            from ..relay.base import RelayContext
-
             cls = get_registry().resolve("relay", CALLER_RELAY)
             self._caller_relay_instance = cls(RelayContext(self.run_id, "coordinator", self.runtime_dir or "", {}))
         return self._caller_relay_instance
