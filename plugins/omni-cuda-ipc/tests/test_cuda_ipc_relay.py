@@ -17,6 +17,7 @@ import torch
 from omni_core.relay.base import RelayContext, RelayTimeout
 from omni_core.testing import peer as cmd
 from omni_core.testing.peer import PeerState, RelayPeer, tensor_record
+from omni_core.testing.relay_conformance import shm_entries
 
 from omni_cuda_ipc.relay import CudaIpcRelay, _decode, _encode
 
@@ -53,6 +54,7 @@ def make(tmp_path):
     extra = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert not extra, f"threads left running: {extra}"
     assert [n for n in os.listdir(runtime_dir) if n.startswith("cuda_ipc.")] == [], "link files left"
+    assert shm_entries(run_id) == [], "/dev/shm entries left"
 
 
 def run(coro, timeout: float = 60):

@@ -213,6 +213,7 @@ def test_receiver_join_close_and_death_show_in_the_ledger(path):
     joined = multiprocessing.get_context("spawn").Process(target=_join, args=(path,))
     joined.start()
     joined.join(60)
+    assert joined.exitcode == 0
     assert sender.receiver[0] == joined.pid and sender.receiver_gone()
     assert not process_alive(*sender.receiver)
     mine = Ledger.open(path)

@@ -404,7 +404,7 @@ class _SendLink:
             _hello(group, 0, self.kind, self.device, self.relay.link_timeout)
         except Exception as exc:
             with self.lock:
-                self.error = f"connecting failed ({_first_line(exc)})"
+                self.error = f"connecting failed ({_first_line(exc)}){_hint(exc)}"
                 self.queued.clear()
             return
         with self.lock:
@@ -538,7 +538,7 @@ class _RecvLink:
             self._receive(group)
         except Exception as exc:
             with self.cond:
-                self.error = f"{_first_line(exc)}"
+                self.error = f"{_first_line(exc)}{_hint(exc)}"
                 self._fail_waiting(self.error)
         finally:
             _drop_group(group, self.kind)
@@ -617,6 +617,13 @@ class _RecvLink:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(NcclRelayError(f"nccl relay: {self.describe()} failed: {why}"))
         self.waiting.clear()
+
+
+def _hint(exc: BaseException) -> str:
+    if "Duplicate GPU" in str(exc):
+        return ("; both ends of the link are on the same GPU, and NCCL needs one GPU per rank: "
+                "use the cuda_ipc relay between stages that share a GPU")
+    return ""
 
 
 def _first_line(exc: BaseException) -> str:

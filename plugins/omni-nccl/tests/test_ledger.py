@@ -80,6 +80,7 @@ def test_receiver_join_close_and_death_are_visible_to_the_sender(path):
     joined = multiprocessing.get_context("spawn").Process(target=_join_and_exit, args=(path,))
     joined.start()
     joined.join(60)
+    assert joined.exitcode == 0
     pid, start = sender.receiver
     assert pid == joined.pid and start > 0
     assert not process_alive(pid, start) and sender.receiver_gone()

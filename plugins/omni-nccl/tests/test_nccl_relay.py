@@ -18,7 +18,7 @@ import torch
 from omni_core.relay.base import RelayContext, RelayTimeout
 from omni_core.testing import peer as cmd
 from omni_core.testing.peer import PeerState, RelayPeer, tensor_record
-from omni_core.testing.relay_conformance import sample
+from omni_core.testing.relay_conformance import sample, shm_entries
 
 from omni_nccl.ledger import Ledger
 from omni_nccl.relay import NcclRelay, NcclRelayError, _decode
@@ -64,6 +64,7 @@ def make(run_id, runtime_dir):
     extra = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert not extra, f"threads left running: {extra}"
     assert os.listdir(runtime_dir) == [], "link files left in the runtime dir"
+    assert shm_entries(run_id) == [], "/dev/shm entries left"
 
 
 def run(coro, timeout: float = 60):
@@ -428,3 +429,11 @@ def test_buffer_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
     for buffer in (small, large, fresh):
         pool.give(buffer)
     assert len(pool.free) == 2 and all(b is not small for b in pool.free), "the smallest goes first"
+
+
+def test_nccl_on_one_gpu_for_both_ends_points_to_cuda_ipc():
+    from omni_nccl.relay import _hint
+
+    hint = _hint(RuntimeError("NCCL error: invalid usage, Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1b000"))
+    assert "same GPU" in hint and "cuda_ipc" in hint
+    assert _hint(RuntimeError("Connection closed by peer")) == ""
