@@ -98,7 +98,7 @@ def run(params: dict[str, Any], *, quick: bool, ray: bool) -> dict[str, Any]:
     if ray:
         common.log("hop: Ray Compiled Graph peer")
         peer = _ray(params)
-        doc["ray"] = {k: v for k, v in peer.items() if k not in ("hop",)}
+        doc["ray"] = {k: v for k, v in peer.items() if not k.isdigit()}
         if "skipped" in peer:
             doc["notes"].append(f"Ray peer skipped: {peer['skipped']}")
         for n in params["ns"]:

@@ -79,7 +79,8 @@ def parse(raw: str, roles: dict[int, str]) -> dict[str, dict[str, Any]]:
             if f.startswith("thread "):
                 continue
             m = _FRAME.match(f)
-            funcs.append(f"{m.group('func')} ({_short(m.group('file'))})" if m else f)
+            name = f"{m.group('func')} ({_short(m.group('file'))})" if m else f
+            funcs.append(name if len(name) <= 90 else name[:87] + "...")
         role = roles.get(pid, f"pid {pid}")
         entry = per.setdefault(role, {"samples": 0, "self": collections.Counter(), "inclusive": collections.Counter()})
         n = int(count)

@@ -104,8 +104,11 @@ def run(params: dict[str, Any], *, quick: bool, ray: bool) -> dict[str, Any]:
 
 def summary(doc: dict[str, Any]) -> str:
     headers = ["in flight", "payload", "req/s", "p50 ms", "p99 ms", "peak RSS MiB", "peak PSS MiB", "PSS growth MiB", "growth / (in flight × payload)"]
+    # The ratio only says something where in flight x payload is large against the noise of
+    # sampling a tree of processes (a few MiB).
     rows = [[r["inflight"], common.human_bytes(r["bytes"]), r["rps"], r["latency_ms"]["median"], r["latency_ms"]["p99"],
-             r["peak"]["rss"] / MiB, r["peak"]["pss"] / MiB, r["growth_pss"] / MiB, r["growth_vs_unbounded"]] for r in doc["rows"]]
+             r["peak"]["rss"] / MiB, r["peak"]["pss"] / MiB, r["growth_pss"] / MiB,
+             r["growth_vs_unbounded"] if r["unbounded_bytes"] >= 64 * MiB else None] for r in doc["rows"]]
     text = "latency and memory (whole process tree) under load; closed loop per point\n" + common.table(headers, rows)
     if "memory" in doc:
         text += f"\nmemory retained after the sweep (PSS): {doc['memory']['retained_pss'] / MiB:.1f} MiB"
