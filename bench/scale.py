@@ -62,14 +62,15 @@ def run(params: dict[str, Any], *, quick: bool, ray: bool) -> dict[str, Any]:
     with common.Loop() as loop, common.MemorySampler(0.05) as mem:
         loop.run(pipeline.start())
         try:
-            time.sleep(0.3)
+            settle = params.get("settle_s", 0.3)  # let memory settle before reading "idle"
+            time.sleep(settle)
             start_idle = common.tree_memory()
             for inflight, nbytes in params["points"]:
                 common.log(f"scale: {inflight} in flight, {common.human_bytes(nbytes)} payloads")
                 payload = {"nbytes": nbytes}
                 loop.run(_closed_loop(pipeline, payload, min(inflight, 64), params["warmup_s"], None))
                 gc.collect()
-                time.sleep(0.2)
+                time.sleep(settle)
                 idle = common.tree_memory()
                 mem.reset()
                 lat: list[float] = []
@@ -85,7 +86,7 @@ def run(params: dict[str, Any], *, quick: bool, ray: bool) -> dict[str, Any]:
                     "growth_vs_unbounded": (peak["pss"] - idle["pss"]) / held,
                 })
             gc.collect()
-            time.sleep(0.5)
+            time.sleep(settle)
             end_idle = common.tree_memory()
             doc["memory"] = {"start": start_idle, "end": end_idle, "retained_pss": end_idle["pss"] - start_idle["pss"]}
         finally:

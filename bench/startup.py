@@ -25,7 +25,7 @@ from .baselines import bare_torch_processes
 
 NAME = "startup"
 SIZES = {
-    "quick": {"processes": [1, 4, 8], "rounds": 1, "cold": True},
+    "quick": {"processes": [1, 8], "rounds": 1, "cold": True},
     "full": {"processes": [1, 4, 8], "rounds": 7, "cold": True},
 }
 IMPLS = {"warm": "omni warm forkserver", "cold": "omni cold", "bare": "bare torch processes"}

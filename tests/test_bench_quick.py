@@ -25,7 +25,7 @@ TINY = {
     "throughput": {"stages": 2, "concurrency": [1, 4], "warmup_s": 0.05, "duration_s": 0.1, "rounds": 1},
     "relay": {"sizes": [4 * KiB, 16 * MiB], "target_s": 0.01, "min_reps": 2, "max_reps": 4, "rounds": 2},
     "startup": {"processes": [1], "rounds": 1, "cold": False},
-    "scale": {"points": [[1, 4 * KiB], [70, 1 * MiB]], "duration_s": 0.1, "warmup_s": 0.05},
+    "scale": {"points": [[1, 4 * KiB], [70, 1 * MiB]], "duration_s": 0.1, "warmup_s": 0.05, "settle_s": 0.05},
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
