@@ -11,6 +11,7 @@ the payload, unless the pipeline sets ``allow_pickle: true``.
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any
 
 import msgspec
@@ -24,37 +25,48 @@ class PayloadError(TypeError):
     """A payload holds something omni cannot send between processes."""
 
 
-class _Packer:
-    __slots__ = ("tensors", "allow_pickle", "encoder")
+class _PackState(threading.local):
+    """What the encoder's hook of the current ``pack`` call collects (one per thread)."""
 
-    def __init__(self, allow_pickle: bool):
-        self.tensors: list[torch.Tensor] = []
-        self.allow_pickle = allow_pickle
-        self.encoder = msgspec.msgpack.Encoder(enc_hook=self.hook)
+    tensors: list | None = None
+    allow_pickle: bool = False
 
-    def hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return msgspec.msgpack.Ext(_TENSOR, (len(self.tensors) - 1).to_bytes(4, "little"))
-        if isinstance(obj, np.ndarray):
-            try:
-                tensor = torch.from_numpy(np.ascontiguousarray(obj))
-            except TypeError as exc:
-                raise PayloadError(f"numpy array of dtype {obj.dtype} cannot travel: {exc}") from None
-            self.tensors.append(tensor)
-            return msgspec.msgpack.Ext(_NDARRAY, (len(self.tensors) - 1).to_bytes(4, "little"))
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if self.allow_pickle:
-            return msgspec.msgpack.Ext(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        raise PayloadError(f"cannot send a {type(obj).__module__}.{type(obj).__qualname__}")
+
+_state = _PackState()
+
+
+def _hook(obj: Any) -> Any:
+    tensors = _state.tensors
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return msgspec.msgpack.Ext(_TENSOR, (len(tensors) - 1).to_bytes(4, "little"))
+    if isinstance(obj, np.ndarray):
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(obj))
+        except TypeError as exc:
+            raise PayloadError(f"numpy array of dtype {obj.dtype} cannot travel: {exc}") from None
+        tensors.append(tensor)
+        return msgspec.msgpack.Ext(_NDARRAY, (len(tensors) - 1).to_bytes(4, "little"))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if _state.allow_pickle:
+        return msgspec.msgpack.Ext(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    raise PayloadError(f"cannot send a {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+# One module-level encoder whose hook reads per-thread state: no encoder per call, and no
+# reference cycle (encoder -> bound hook -> packer -> tensors) that would keep every packed tensor
+# alive until the cyclic garbage collector runs.
+_encoder = msgspec.msgpack.Encoder(enc_hook=_hook)
 
 
 def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch.Tensor]]:
     """``(skeleton, tensors)`` for ``payload``; :class:`PayloadError` names the bad path."""
-    packer = _Packer(allow_pickle)
+    tensors: list[torch.Tensor] = []
+    outer = (_state.tensors, _state.allow_pickle)  # a hook may pack again (pickle of a payload)
+    _state.tensors, _state.allow_pickle = tensors, allow_pickle
     try:
-        return packer.encoder.encode(payload), packer.tensors
+        return _encoder.encode(payload), tensors
     except (TypeError, ValueError, OverflowError) as exc:
         path = find_unsendable(payload, allow_pickle=allow_pickle)
         where = f" at payload{path}" if path is not None else ""
@@ -63,6 +75,8 @@ def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch
             "and numpy arrays; convert it, or set 'allow_pickle: true' in the pipeline config"
         )
         raise PayloadError(f"payload cannot be encoded{where}: {exc}; {hint}") from None
+    finally:
+        _state.tensors, _state.allow_pickle = outer
 
 
 def unpack(skeleton: bytes, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
