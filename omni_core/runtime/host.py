@@ -184,6 +184,7 @@ class Host:
         self.inbox: Inbox | None = None
         self.stopping: asyncio.Event | None = None
         self.allow_pickle = self.config.allow_pickle
+        self._addresses_of: dict[str, list[str]] = {}
 
     # -- building ------------------------------------------------------------------------------
 
@@ -376,7 +377,9 @@ class Host:
             msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames))
             await self.outbox.send(address, msg, frames)
         else:
-            await self.outbox.send(address, wire.Data(kind, rid, request_id, dst, src, skeleton))
+            fut = self.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton))
+            if fut is not None:
+                await fut
 
     def _process_of(self, address: str) -> str:
         for name, addr in self.boot.addresses.items():
@@ -385,14 +388,25 @@ class Host:
         return address
 
     def _target_address(self, stage: str, rid: int) -> str:
-        procs = self.boot.routes[stage]
-        return self.boot.addresses[procs[rid % len(procs)]]
+        addrs = self._addresses_of.get(stage)
+        if addrs is None:
+            addrs = self._addresses_of[stage] = [self.boot.addresses[p] for p in self.boot.routes[stage]]
+        return addrs[rid % len(addrs)] if len(addrs) > 1 else addrs[0]
 
     async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
                        targets: list[str], payloads: Mapping[str, Any]) -> None:
         """Send each target its payload: objects to stages of this process (a private copy for
         all but the last), packed once and relayed to the others."""
-        local = [t for t in targets if self.boot.edge_relays[(stage.name, t, "next" if kind == "work" else "stream")] == OBJECT_RELAY]
+        edge_kind = "next" if kind == "work" else "stream"
+        if len(targets) == 1:
+            target = targets[0]
+            relay_name = self.boot.edge_relays[(stage.name, target, edge_kind)]
+            if relay_name != OBJECT_RELAY:
+                skeleton, tensors = pack(payloads[target], allow_pickle=self.allow_pickle)
+                await self._send_data(kind, rid, request_id, stage.name, target, self._target_address(target, rid),
+                                      relay_name, skeleton, tensors)
+                return
+        local = [t for t in targets if self.boot.edge_relays[(stage.name, t, edge_kind)] == OBJECT_RELAY]
         remote = [t for t in targets if t not in local]
         packed: dict[int, tuple[bytes, list]] = {}
         for target in remote:
@@ -421,7 +435,8 @@ class Host:
         targets = list(cfg.next)
         if stage.fns.route is not None:
             targets = _names(stage.fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
-        payloads = {t: (stage.fns.project[t](result) if t in stage.fns.project else result) for t in targets}
+        project = stage.fns.project
+        payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else dict.fromkeys(targets, result)
         done_to = list(cfg.stream_to)
         if cfg.stream_to and stage.fns.stream_done is not None:
             answer = stage.fns.stream_done(request_id, result)
@@ -429,7 +444,7 @@ class Host:
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
             await self._send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
-        dropped = [t for t in cfg.next if t not in targets]
+        dropped = [t for t in cfg.next if t not in targets] if stage.fns.route is not None else None
         if dropped:
             await self.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
         if targets:
