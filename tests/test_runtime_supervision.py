@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
@@ -23,11 +24,12 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
 
 def test_sigkill_of_a_stage_fails_requests_in_flight_within_two_seconds_and_stops_the_pipeline():
-    cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True))
+    # Tensors travel a -> s through shm: the no_leaks fixture checks no segment of the run is left.
+    cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True), relay="shm")
 
     async def body():
         async with Pipeline(cfg) as p:
-            tasks = [asyncio.ensure_future(p.submit({"sleep": 30})) for _ in range(5)]
+            tasks = [asyncio.ensure_future(p.submit({"sleep": 30, "t": torch.ones(1 << 18)})) for _ in range(5)]
             await asyncio.sleep(0.3)
             victim = p.pids()["s"]
             killed_at = time.monotonic()
@@ -72,15 +74,18 @@ def test_restart_on_failure_brings_the_process_back_a_bounded_number_of_times():
 
 PARENT = textwrap.dedent("""
     import asyncio, json, sys
+    import torch
     sys.path.insert(0, {tests!r})
     from omni_core import Pipeline
     from runtime_helpers import pipeline, stage
 
     async def main():
-        cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True), name="orphans")
+        cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True), name="orphans", relay="shm")
         async with Pipeline(cfg) as p:
-            asyncio.ensure_future(p.submit({{"sleep": 60}}))
-            print(json.dumps({{"pids": list(p.pids().values()), "dir": p.runtime_dir}}), flush=True)
+            for _ in range(3):  # mid-transfer: tensors through shm are held by the sleeping stage
+                asyncio.ensure_future(p.submit({{"sleep": 60, "t": torch.ones(1 << 18)}}))
+            await asyncio.sleep(0.5)
+            print(json.dumps({{"pids": list(p.pids().values()), "dir": p.runtime_dir, "run": p.run_id}}), flush=True)
             await asyncio.sleep(120)
 
     asyncio.run(main())
@@ -93,6 +98,7 @@ def test_children_exit_when_the_parent_is_sigkilled():
     try:
         info = json.loads(proc.stdout.readline())
         assert all(pid in descendants(proc.pid) for pid in info["pids"])
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-{info['run']}")], "no shm in use"
         proc.kill()
         proc.wait(5)
         deadline = time.monotonic() + 10
@@ -104,6 +110,8 @@ def test_children_exit_when_the_parent_is_sigkilled():
         while time.monotonic() < deadline and os.path.exists(info["dir"]):
             time.sleep(0.1)
         assert not os.path.exists(info["dir"])
+        # The children freed their relay memory on the way out: no segment of the run is left.
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-{info['run']}")]
     finally:
         proc.kill()
 
