@@ -38,6 +38,7 @@ from ..plugins import get_registry, signature_text
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
 from ..relay.inline import inline_transfer
+from ..relay.liveness import process_alive
 from ..relay.payload import pack, unpack
 from . import wire
 from .channel import Inbox, Outbox
@@ -93,16 +94,6 @@ def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
     return {}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watch_parent(parent_pid: int) -> None:
     """Exit when the parent dies, even if it was SIGKILLed (no orphans)."""
     with contextlib.suppress(Exception):
@@ -110,7 +101,7 @@ def _watch_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: our direct parent (the forkserver) died
 
     def watch() -> None:
-        while _alive(parent_pid):
+        while process_alive(parent_pid):
             time.sleep(0.25)
         os.kill(os.getpid(), signal.SIGTERM)  # a clean shutdown frees relay memory ...
         time.sleep(3)
@@ -517,7 +508,7 @@ class Host:
         address = self.boot.addresses[self.spec.name]
         with contextlib.suppress(OSError):
             os.unlink(address.removeprefix("ipc://"))
-        if not _alive(self.boot.parent_pid):
+        if not process_alive(self.boot.parent_pid):
             # Orphaned (the parent was killed): nobody else will remove the runtime dir.
             with contextlib.suppress(OSError):
                 os.unlink(self.coordinator.removeprefix("ipc://"))

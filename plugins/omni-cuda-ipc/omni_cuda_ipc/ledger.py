@@ -31,6 +31,7 @@ import mmap
 import os
 
 from omni_core.errors import OmniError
+from omni_core.relay.liveness import process_alive, process_start_time  # noqa: F401 - re-exported
 
 MAGIC = int.from_bytes(b"OMNICIPC", "little")
 VERSION = 1
@@ -42,31 +43,6 @@ _ISSUED, _ABANDONED, _TAKEN, _RELEASED = range(4)
 
 class LedgerError(OmniError):
     """A link's ledger file is missing or is not one this relay wrote."""
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[19])
-
-
-def process_start_time(pid: int) -> int:
-    stat = _proc_stat(pid)
-    return stat[1] if stat else 0
-
-
-def process_alive(pid: int, start_time: int = 0) -> bool:
-    """Whether ``pid`` runs (not a zombie) and is the process that started at ``start_time``."""
-    if pid <= 0:
-        return False
-    stat = _proc_stat(pid)
-    if stat is None or stat[0] in ("Z", "X"):
-        return False
-    return not (start_time and stat[1] != start_time)
 
 
 class Ledger:
