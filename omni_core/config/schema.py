@@ -61,9 +61,13 @@ class LimitsConfig:
 
     max_in_flight: int = attrs.field(default=1024, metadata=POSITIVE)
     startup_timeout: float = attrs.field(default=120.0, metadata=POSITIVE)
-    request_timeout: float | None = attrs.field(default=None, metadata=POSITIVE)
+    request_timeout: float | None = attrs.field(default=300.0, metadata=POSITIVE)
     stop_timeout: float = attrs.field(default=10.0, metadata=POSITIVE)
-    stream_buffer: int = attrs.field(default=1024, metadata=POSITIVE)
+    stream_buffer: int = attrs.field(default=64, metadata=POSITIVE)
+    stream_stall_timeout: float = attrs.field(default=60.0, metadata=POSITIVE)
+    heartbeat_interval: float = attrs.field(default=1.0, metadata=POSITIVE)
+    heartbeat_timeout: float = attrs.field(default=10.0, metadata=POSITIVE)
+    loop_block_warning: float = attrs.field(default=1.0, metadata=POSITIVE)
 
 
 @attrs.frozen(kw_only=True)
