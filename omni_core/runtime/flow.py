@@ -35,10 +35,11 @@ class StreamStalled(Exception):
 class Window:
     """The producer's side of one stream: credits left, and whether the reader closed it."""
 
-    __slots__ = ("credits", "closed", "_event")
+    __slots__ = ("credits", "closed", "initial", "_event")
 
     def __init__(self, credits: int):
         self.credits = credits
+        self.initial = credits
         self.closed = False
         self._event: asyncio.Event | None = None
 
@@ -59,8 +60,10 @@ class Window:
             except TimeoutError:
                 raise StreamStalled(
                     f"{what()} made no progress for {timeout:g} s (limits.stream_stall_timeout): the "
-                    "reader holds every credit and consumes none; read the stream with "
-                    "ctx.stream_from(), or raise the limit"
+                    f"reader holds all {self.initial} unread chunks (limits.stream_buffer) and reads none. "
+                    "Read the stream with ctx.stream_from(); a reader whose payload comes from the "
+                    "streaming stage itself (next) cannot start before the stream ends: route its payload "
+                    "from an earlier stage"
                 ) from None
         if self.closed:
             return False

@@ -342,7 +342,7 @@ class Runner:
             self.closed_reason = error(None)
             if policy.policy == "on-failure":
                 self.log.error("restart limit reached; stopping", max_restarts=policy.max_restarts)
-            self._loop.create_task(self.stop())
+            self._begin_stop()
 
     async def _restart(self, leader: str, group: list[str]) -> None:
         try:
@@ -366,7 +366,7 @@ class Runner:
                     if self.restarts >= policy.max_restarts:
                         self.log.error("restart failed", group=group, error=str(exc))
                         self.closed_reason = exc
-                        self._loop.create_task(self.stop())
+                        self._begin_stop()
                         return
                     self.restarts += 1
             for name in group:
@@ -417,13 +417,16 @@ class Runner:
         if self.state in ("stopped", "new"):
             self._set_state("stopped")
             return
-        if self.state == "stopping":
-            if self._stop_task is not None:
-                await asyncio.shield(self._stop_task)
+        self._begin_stop(timeout)
+        if self._stop_task is not None:
+            await asyncio.shield(self._stop_task)
+
+    def _begin_stop(self, timeout: float | None = None) -> None:
+        """Enter ``stopping`` now (no request is admitted from here on) and stop in a task."""
+        if self.state in ("stopping", "stopped", "new"):
             return
         self._set_state("stopping")
-        self._stop_task = asyncio.get_running_loop().create_task(self._stop(timeout))
-        await asyncio.shield(self._stop_task)
+        self._stop_task = self._loop.create_task(self._stop(timeout))
 
     async def _stop(self, timeout: float | None) -> None:
         total = self.config.limits.stop_timeout if timeout is None else timeout
