@@ -44,12 +44,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Coordinator:
-    """Requests in flight of one running pipeline."""
+    """Requests in flight of one running pipeline. ``runner`` (set by the owner before start)
+    sends for it and says whether the pipeline runs."""
 
-    def __init__(self, config: PipelineConfig, registry: Registry, runner: Runner):
+    runner: Runner
+
+    def __init__(self, config: PipelineConfig, registry: Registry):
         self.config = config
         self.registry = registry
-        self.runner = runner
         self.log = get_logger(pipeline=config.name)
         self.requests: dict[int, Request] = {}  # in rid order: the first is the oldest in flight
         self.by_id: dict[str, int] = {}
@@ -314,11 +316,18 @@ class Coordinator:
         floor = self.floor
         behind = floor < self._next_rid  # some requests are still in flight
         if error is not None:
+            if not isinstance(error, RequestAborted):
+                self.log.warning("request failed", request_id=req.request_id, error=type(error).__name__,
+                                 stage=getattr(error, "stage", None) or getattr(error, "process", None),
+                                 reason=getattr(error, "reason", None) or str(error).split("\n", 1)[0])
+            else:
+                self.log.debug("request aborted", request_id=req.request_id)
             self.runner.broadcast(wire.Abort(req.rid, floor))
             self._behind = set(self.runner.addresses) if behind else set()
             if not req.future.done():
                 req.future.set_exception(error)
         else:
+            self.log.debug("request done", request_id=req.request_id)
             if self._stateful:
                 self.runner.broadcast(wire.Forget(req.rid, floor), self._stateful)
                 if behind:

@@ -204,7 +204,7 @@ class Runner:
                 cwd=os.getcwd(),
             )
         for edge in plan.edges:
-            self.log.debug("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
+            self.log.info("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
         deadline = time.monotonic() + cfg.limits.startup_timeout
         for name in self.boots:
             self._launch(name)
