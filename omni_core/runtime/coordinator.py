@@ -196,7 +196,7 @@ class Coordinator:
                 if item is None:
                     break
                 event, origin = item
-                self._read(req, event.stage, origin, req.events.empty())
+                self._read(req, event.stage, origin)
                 yield event
             yield Event("result", None if req.multi else next(iter(req.expected), None), await req.future)
         finally:
@@ -213,11 +213,12 @@ class Coordinator:
         self.finish(req, error=RequestAborted(f"request {request_id!r} was aborted", request_id=request_id))
         return True
 
-    def _read(self, req: Request, stage: str, origin: str, caught_up: bool) -> None:
-        """The caller consumed one chunk of ``stage``'s stream: its credit goes back (batched)."""
+    def _read(self, req: Request, stage: str, origin: str) -> None:
+        """The caller consumed one chunk of ``stage``'s stream: its credit goes back (batched,
+        as in :class:`~.flow.StreamBuffer`)."""
         key = (stage, origin)
         owed = req.owed.get(key, 0) + 1
-        if owed >= self._batch or caught_up:
+        if owed >= self._batch:
             req.owed[key] = 0
             address = self.runner.addresses.get(origin)
             if address is not None and req.rid in self.requests:
@@ -273,7 +274,7 @@ class Coordinator:
             if req.events is not None:
                 req.events.put_nowait((Event("chunk", msg.stage, payload), msg.origin))
             else:  # nobody reads chunks of a submitted request: their credit comes back at once
-                self._read(req, msg.stage, msg.origin, False)
+                self._read(req, msg.stage, msg.origin)
         else:
             self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
 
