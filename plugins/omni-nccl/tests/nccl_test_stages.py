@@ -34,3 +34,41 @@ class Hold:
         if payload.get("hold"):
             time.sleep(payload["hold"])
         return {**payload, "x": payload["x"] * self.factor}
+
+
+class ToGpu:
+    """Moves ``x`` to this process's GPU (times ``factor``)."""
+
+    def __init__(self, factor: float = 2.0):
+        self.factor = factor
+
+    def __call__(self, payload, ctx):
+        import torch
+
+        return {**payload, "x": payload["x"].to(torch.device("cuda", torch.cuda.current_device())) * self.factor}
+
+
+class Echo:
+    """Returns what it received, as it is, plus a slice of it."""
+
+    def __call__(self, payload, ctx):
+        return {**payload, "head": payload["x"][:3]}
+
+
+class ToHost:
+    def __call__(self, payload, ctx):
+        return {k: (v.cpu() if hasattr(v, "cpu") else v) for k, v in payload.items()}
+
+
+class TpEcho:
+    """A tensor-parallel stage that all-reduces a copy of ``x`` and returns ``x`` itself too."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1):
+        self.rank, self.size = tp_rank, tp_size
+
+    def __call__(self, payload, ctx):
+        import torch.distributed as dist
+
+        total = payload["x"].clone()
+        dist.all_reduce(total)
+        return {**payload, "total": total}
