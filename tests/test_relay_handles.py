@@ -149,3 +149,13 @@ def test_inline_does_not_own_what_it_returns():
     transfer = inline_transfer([torch.ones(4)])
     (t,) = run(relay.get(transfer.handle, list(transfer.frames)))
     assert not relay.owns(t)
+
+
+def test_shm_debug_state_counts_what_is_held_until_released(pair):
+    sender, receiver, h = pair
+    assert sender.debug_state() == {"received": 0, "sent": 1}
+    run(receiver.get(_encode(h)))
+    assert receiver.debug_state() == {"received": 1, "sent": 0}
+    receiver.release(_encode(h))
+    assert receiver.debug_state() == {"received": 0, "sent": 0}
+    assert sender.debug_state() == {"received": 0, "sent": 0}

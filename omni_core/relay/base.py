@@ -119,6 +119,13 @@ class Relay(abc.ABC):
         receiver's own (``inline``: views of received frames) say False."""
         return type(self).release is not Relay.release and bool(tensor.numel())
 
+    def debug_state(self) -> dict[str, int]:
+        """Per-request entries this relay holds in this process, by table (received transfers
+        not released, credits held toward receivers, transfers parked for a later ``get``). All
+        zero once no request is in flight; for tests and diagnostics
+        (``Pipeline.debug_state``)."""
+        return {}
+
     def release(self, handle: bytes) -> None:  # noqa: B027 - optional for relays without slots
         """The receiver is done with the tensors of ``handle``."""
 

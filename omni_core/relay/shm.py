@@ -445,6 +445,15 @@ class ShmRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def debug_state(self) -> dict[str, int]:
+        for pool in self._pools.values():
+            pool._reclaim()
+        for big in self._oneoffs.values():
+            big.reclaim()
+        return {"received": len(self._held),
+                "sent": sum(len(p.spans) for p in self._pools.values())
+                + sum(len(b.live) for b in self._oneoffs.values())}
+
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, rid in self._held.items() if rid == request_id]:
             self.release(key)

@@ -617,6 +617,11 @@ class CudaIpcRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def debug_state(self) -> dict[str, int]:
+        for credits in self._credits.values():
+            credits.reclaim()
+        return {"received": len(self._held), "sent": sum(len(c.held) for c in self._credits.values())}
+
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, held in self._held.items() if held.request_id == request_id]:
             self.release(key)

@@ -854,6 +854,16 @@ class NcclRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def debug_state(self) -> dict[str, int]:
+        parked = 0
+        for link in self._rlinks.values():
+            with link.cond:
+                parked += len(link.stash)
+        for credits in self._credits.values():
+            credits.reclaim()
+        return {"received": len(self._held), "parked": parked,
+                "sent": sum(len(c.held) for c in self._credits.values())}
+
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, (_, _, rid) in self._held.items() if rid == request_id]:
             self.release(key)

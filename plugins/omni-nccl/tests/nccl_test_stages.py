@@ -72,3 +72,39 @@ class TpEcho:
         total = payload["x"].clone()
         dist.all_reduce(total)
         return {**payload, "total": total}
+
+
+class TensorChunks:
+    """Emits ``n`` chunks ``{"i": i, "t": a tensor full of i}`` (every ``plain``-th one without a
+    tensor), then returns its payload."""
+
+    async def __call__(self, payload, ctx):
+        import torch
+
+        n, plain = payload.get("n", 3), payload.get("plain", 0)
+        for i in range(n):
+            if plain and i % plain == plain - 1:
+                await ctx.emit({"i": i})
+            else:
+                await ctx.emit({"i": i, "t": torch.full((16,), float(i))})
+        return payload
+
+
+class CollectTensors:
+    """Reads the stream from ``source`` after keeping its event loop busy for ``block`` seconds
+    (the chunks queue up unread meanwhile); returns the indices in arrival order and the bad ones."""
+
+    def __init__(self, source: str, block: float = 0.0):
+        self.source, self.block = source, block
+
+    async def __call__(self, payload, ctx):
+        end = time.monotonic() + self.block
+        while time.monotonic() < end:
+            pass
+        got, bad = [], []
+        async for chunk in ctx.stream_from(self.source):
+            got.append(chunk["i"])
+            t = chunk.get("t")
+            if t is not None and not bool((t == chunk["i"]).all()):
+                bad.append(chunk["i"])
+        return {"got": got, "bad": bad}
