@@ -318,7 +318,7 @@ class Coordinator:
         behind = floor < self._next_rid  # some requests are still in flight
         if error is not None:
             if not isinstance(error, RequestAborted):
-                self.log.warning("request failed", request_id=req.request_id, error=type(error).__name__,
+                self.log.info("request failed", request_id=req.request_id, error=type(error).__name__,
                                  stage=getattr(error, "stage", None) or getattr(error, "process", None),
                                  reason=getattr(error, "reason", None) or str(error).split("\n", 1)[0])
             else:

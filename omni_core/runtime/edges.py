@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-import torch
 
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
+from ..relay.lifetime import detach, lent_storages, storage_key
 from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
 
 #: A stream chunk whose tensors hold at most this many bytes is copied out of the relay on
@@ -50,10 +50,6 @@ def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
     if relay_cfg.backend == "auto" and isinstance(relay_cfg.options.get(name), dict):
         return dict(relay_cfg.options[name])
     return {}
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return tensor.device.type, tensor.untyped_storage().data_ptr()
 
 
 class Edges:
@@ -146,7 +142,7 @@ class Edges:
         tensors = await relay.get(handle, frames)
         if type(relay).release is not Relay.release:
             inbound.releases.append(lambda: relay.release(handle))
-            inbound.storages |= {_storage_key(t) for t in tensors if t.numel()}
+        inbound.storages |= lent_storages(relay, tensors)
         return tensors
 
     @staticmethod
@@ -158,30 +154,16 @@ class Edges:
         if sum(t.numel() * t.element_size() for t in tensors) > CHUNK_COPY_BYTES:
             return inbound
         for i, tensor in enumerate(tensors):
-            if tensor.numel() and _storage_key(tensor) in inbound.storages:
+            if tensor.numel() and storage_key(tensor) in inbound.storages:
                 tensors[i] = tensor.clone()
         inbound.release()
         return None
 
     @staticmethod
     def copy_out(result: Any, storages: set) -> Any:
-        """``result`` with every tensor that views relay memory about to be released cloned
-        (on its own device). Containers are rebuilt only where something was cloned."""
-
-        def walk(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                return obj.clone() if obj.numel() and _storage_key(obj) in storages else obj
-            if isinstance(obj, dict):
-                out = {k: walk(v) for k, v in obj.items()}
-                return obj if all(out[k] is v for k, v in obj.items()) else out
-            if isinstance(obj, (list, tuple)):
-                out = [walk(v) for v in obj]
-                if all(a is b for a, b in zip(out, obj, strict=True)):
-                    return obj
-                return out if isinstance(obj, list) else tuple(out)
-            return obj
-
-        return walk(result)
+        """``result`` with every tensor (or numpy array) that views relay memory about to be
+        released copied, on its own device (:func:`omni_core.relay.lifetime.detach`)."""
+        return detach(result, storages)
 
     # -- end ------------------------------------------------------------------------------------
 

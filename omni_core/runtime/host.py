@@ -150,8 +150,7 @@ class Host:
             if msg.rid:
                 self.forget(msg.rid)
             if msg.floor > self.floor:
-                self.floor = msg.floor
-                self.ended = {rid for rid in self.ended if rid >= msg.floor}
+                self._raise_floor(msg.floor)
         elif isinstance(msg, wire.StateQuery):
             self.outbox.post(self.coordinator, wire.StateReport(msg.token, self.name, self.state()))
         elif isinstance(msg, wire.Shutdown):
@@ -245,14 +244,28 @@ class Host:
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ended: cancel what runs for it and free everything it holds here."""
-        if self.is_ended(rid):
+        if rid in self.ended:
             return
-        self.ended.add(rid)
+        if rid >= self.floor:
+            self.ended.add(rid)
+        self._clean(rid)
+
+    def _clean(self, rid: int) -> None:
         self.ordered.drop(rid)
         for stage in self.stages.values():
             stage.forget(rid)
         self.router.forget(rid)
         self.edges.cleanup(rid)
+
+    def _raise_floor(self, floor: int) -> None:
+        """Every request below ``floor`` has ended: forget having seen them end, and free any
+        state still held for one of them (its ``Forget`` may come later, from a TP leader)."""
+        self.floor = floor
+        self.ended = {rid for rid in self.ended if rid >= floor}
+        stale = {rid for stage in self.stages.values() for rid in stage.requests() if rid < floor}
+        stale.update(rid for rid in (*self.ordered.keys(), *self.router.windows.requests()) if rid < floor)
+        for rid in stale:
+            self._clean(rid)
 
     def fail(self, rid: int, stage: str, exc: BaseException) -> None:
         """Fail request ``rid`` because of ``exc`` in ``stage``; this process keeps serving."""

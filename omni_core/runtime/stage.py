@@ -70,6 +70,10 @@ class StageRuntime:
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
 
+    def requests(self) -> set[int]:
+        """Every request this stage holds state for."""
+        return {*self.running, *self.fan_in, *self.streams, *self.finished}
+
     def state(self) -> dict[str, int]:
         prefix = f"stage.{self.name}."
         return {prefix + "running": len(self.running), prefix + "fan_in": len(self.fan_in),
@@ -162,7 +166,21 @@ class StageRuntime:
     # -- running ---------------------------------------------------------------------------------
 
     def _start(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
-        self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
+        task = self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
+        # A done callback runs even for a task cancelled before it started (an abort right after
+        # the payload arrived), whose body and its ``finally`` never run.
+        task.add_done_callback(lambda _: self._ended(rid, task, inbound))
+
+    def _ended(self, rid: int, task: asyncio.Task, inbound: Inbound) -> None:
+        inbound.release()
+        if self.host.is_ended(rid):
+            # Cancelled by the request's end: whatever a relay put was handing out when the
+            # cancellation came (a credit just granted) is freed now, after the call is gone.
+            self.host.edges.cleanup(rid)
+        if self.running.get(rid) is task:
+            del self.running[rid]
+            self.contexts.pop(rid, None)
+            self._close_streams(rid)
 
     async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
         ctx = StageContext(self, rid, request_id)
@@ -188,8 +206,6 @@ class StageRuntime:
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
-            self.contexts.pop(rid, None)
-            self.running.pop(rid, None)
             self._close_streams(rid)
 
     async def _call(self, payload: Any, ctx: StageContext) -> Any:
