@@ -22,7 +22,7 @@ import msgspec
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
-from ..relay.base import Relay, RelayContext
+from ..relay.base import InvalidHandle, Relay, RelayContext
 from ..relay.lifetime import detach, lent_storages, storage_key
 from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
 
@@ -117,17 +117,22 @@ class Edges:
         try:
             if relay_name != SPLIT_RELAY:
                 return await self._get_one(relay_name, handle, frames, inbound), inbound
-            split = _decode_split(handle)
+            try:
+                split = _decode_split(handle)
+            except msgspec.DecodeError as exc:
+                raise InvalidHandle(f"malformed split handle: {exc}") from None
+            if len(set(split.relays)) != len(split.relays) or CALLER_RELAY not in split.relays:
+                raise InvalidHandle(f"malformed split handle: relays {split.relays} (a split is one edge relay and {CALLER_RELAY!r})")
             total = sum(len(index) for index in split.index)
             if sum(split.counts) != len(frames) or sorted(i for index in split.index for i in index) != list(range(total)):
-                raise ValueError("malformed split handle: its frame counts or tensor indices do not add up")
+                raise InvalidHandle("malformed split handle: its frame counts or tensor indices do not add up")
             tensors: list = [None] * total
             start = 0
             for name, sub, count, index in zip(split.relays, split.handles, split.counts, split.index, strict=True):
                 part = await self._get_one(name, sub, frames[start:start + count], inbound)
                 start += count
                 if len(part) != len(index):
-                    raise ValueError(f"relay {name!r} returned {len(part)} tensors for {len(index)}")
+                    raise InvalidHandle(f"relay {name!r} returned {len(part)} tensors for {len(index)}")
                 for i, tensor in zip(index, part, strict=True):
                     tensors[i] = tensor
             return tensors, inbound
@@ -137,7 +142,7 @@ class Edges:
 
     async def _get_one(self, relay_name: str, handle: bytes, frames: list, inbound: Inbound) -> list:
         if relay_name == SPLIT_RELAY:
-            raise ValueError("a split handle cannot nest another split")
+            raise InvalidHandle("a split handle cannot nest another split")
         relay = self.relay(relay_name)
         tensors = await relay.get(handle, frames)
         if type(relay).release is not Relay.release:

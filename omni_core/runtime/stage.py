@@ -65,6 +65,7 @@ class StageRuntime:
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
         self.running: dict[int, asyncio.Task] = {}
         self.contexts: dict[int, StageContext] = {}
+        self.inbounds: dict[int, Inbound] = {}  # what each running call received
         self.fan_in: dict[int, _FanIn] = {}
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
@@ -169,6 +170,7 @@ class StageRuntime:
         task = self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
         # A done callback runs even for a task cancelled before it started (an abort right after
         # the payload arrived), whose body and its ``finally`` never run.
+        self.inbounds[rid] = inbound
         task.add_done_callback(lambda _: self._ended(rid, task, inbound))
 
     def _ended(self, rid: int, task: asyncio.Task, inbound: Inbound) -> None:
@@ -179,6 +181,7 @@ class StageRuntime:
             self.host.edges.cleanup(rid)
         if self.running.get(rid) is task:
             del self.running[rid]
+            self.inbounds.pop(rid, None)
             self.contexts.pop(rid, None)
             self._close_streams(rid)
 
@@ -221,6 +224,10 @@ class StageRuntime:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
+            inbound = self.inbounds.get(rid)
+            lent = (inbound.storages if inbound is not None else set()) | self._stream_storages(rid)
+            if lent:  # a chunk viewing received relay memory outlives this call where it goes
+                chunk = self.host.edges.copy_out(chunk, lent)
             await self.host.router.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
