@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from . import common
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _CPUCLOCK_SCHED = 2  # linux/posix-timers.h: a process CPU clock id is ((~pid) << 3) | CPUCLOCK_SCHED
@@ -172,3 +174,21 @@ def per_message(report: dict[str, Any] | None, role: str) -> float | None:
     if not report:
         return None
     return (report.get("roles", {}).get(role) or {}).get("us_per_message")
+
+
+def cpu_table(key: str, keys: list[Any], get: Callable[[Any, str], dict[str, Any] | None]) -> str:
+    """A table of CPU µs per message per stage process (mean over the stages) of omni, the raw
+    pyzmq chain and the mp.Queue chain, of the caller per request, and the cores busy during
+    omni's rounds: its processes', and the whole machine's (shared with others). ``get(k, impl)``
+    is the result row (with its ``cpu`` report) of point ``k``."""
+    headers = [key, "omni CPU µs/msg/stage", "pyzmq", "mp.Queue", "omni/pyzmq", "omni/mp.Queue",
+               "omni caller µs/req", "pyzmq caller", "omni cores", "machine cores"]
+    rows = []
+    for k in keys:
+        cpu = {impl: (get(k, impl) or {}).get("cpu") for impl in ("omni", "zmq", "mpq")}
+        stage = {impl: (c or {}).get("stage_us_per_message") for impl, c in cpu.items()}
+        rows.append([k, stage["omni"], stage["zmq"], stage["mpq"], common.ratio(stage["omni"], stage["zmq"]),
+                     common.ratio(stage["omni"], stage["mpq"]), per_message(cpu["omni"], "caller"), per_message(cpu["zmq"], "caller"),
+                     (cpu["omni"] or {}).get("cores"), (cpu["omni"] or {}).get("machine_cores")])
+    return ("CPU per message (user + system, every thread, from /proc; ratio < 1 means omni uses less)\n"
+            + common.table(headers, rows))

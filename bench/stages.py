@@ -103,9 +103,8 @@ class ChunkSink:
         async for chunk in ctx.stream_from(self.source):
             lat.append((clock() - chunk["t"]) / 1e3)
             h = chunk["h"]
-            if chunk["tok"] != n or tuple(h.shape) != shape or h.dtype is not torch.bfloat16:
-                bad += 1
-            elif not n & 15 and int(h[0, 0, 0]) != n & 255:
+            wrong = chunk["tok"] != n or tuple(h.shape) != shape or h.dtype is not torch.bfloat16
+            if wrong or (not n & 15 and int(h[0, 0, 0]) != n & 255):
                 bad += 1
             n += 1
         if chunk is not None and int(chunk["h"][0, 0, -1]) != chunk["tok"] & 255:

@@ -97,6 +97,7 @@ class _Point:
         self.latencies: list[float] = []
         self.streams = 0
         self.chunks = 0
+        self.sent = 0
         self.bad = 0
         self.short = 0
         self.cpu = CpuAccount()
@@ -120,17 +121,20 @@ def _close(obj: Any, notes: list[str], what: str) -> None:
 
 
 def _round(obj: Any, impl: str, point: _Point, c: int, params: dict[str, Any]) -> None:
+    """One measured round; chunks count what the sink read (a truncated stream counts less)."""
     chunks = params["chunks"]
     results: list[dict] = []
     deadline = time.monotonic() + params["deadline_s"]
     pids = {"caller": _self_pid(), **obj.pids()}
     with CpuWindow(pids) as window:
         done, elapsed = obj.streams(chunks, c, params["duration_s"], deadline, results)
-    messages = {role: (done if role in ("caller", "head") else done * chunks) for role in pids}
+    read = sum(r["n"] for r in results)
+    messages = {role: (done if role in ("caller", "head") else read if role == "sink" else done * chunks) for role in pids}
     point.cpu.add(window, messages)
-    point.rates.append(done * chunks / elapsed)
+    point.rates.append(read / elapsed)
     point.streams += done
-    point.chunks += done * chunks
+    point.chunks += read
+    point.sent += done * chunks
     for r in results:
         point.latencies += r["lat_us"]
         point.bad += r["bad"]
@@ -172,7 +176,7 @@ def measure_relay(relay: str, params: dict[str, Any], loop: common.Loop, notes: 
                 cpu = p.cpu.report(stage_roles=["src", "sink"]) if p.cpu.windows else None
                 rows.append({
                     "relay": relay, "concurrency": c, "impl": impl, "status": p.status, "error": p.error,
-                    "chunks_per_stream": params["chunks"], "streams": p.streams, "chunks": p.chunks,
+                    "chunks_per_stream": params["chunks"], "streams": p.streams, "chunks": p.chunks, "chunks_sent": p.sent,
                     "chunks_per_s": common.summarize(p.rates), "latency_us": common.summarize(p.latencies),
                     "bad_chunks": p.bad, "short_streams": p.short, "cpu": cpu,
                     "cpu_us_per_chunk": (cpu["total_cpu_s"] / p.chunks * 1e6) if cpu and p.chunks else None,
