@@ -244,25 +244,31 @@ def _status(r: dict[str, Any] | None) -> str:
 
 
 def summary(doc: dict[str, Any]) -> str:
-    headers = ["relay", "streams", "omni chunks/s", "pyzmq chunks/s", "omni/pyzmq", "omni p50 µs", "omni p99",
-               "pyzmq p50", "pyzmq p99", "omni CPU µs/chunk src", "sink", "pyzmq src", "sink ",
-               "all processes omni/pyzmq", "omni", "pyzmq"]
-    rows = []
+    rates, cpus = [], []
     for r in doc["rows"]:
         if r["impl"] != "omni":
             continue
         relay, c = r["relay"], r["concurrency"]
         z = row(doc, relay, c, "zmq")
+        zcpu = (z or {}).get("cpu") if _ok(z) else None
+        ocpu = r["cpu"] if _ok(r) else None
         ratios = doc["ratios"].get(f"{relay} {c}", {})
-        rows.append([relay, c, _stat(r, "chunks_per_s"), _stat(z, "chunks_per_s"), ratios.get("omni/zmq chunks/s"),
-                     _stat(r, "latency_us"), _stat(r, "latency_us", "p99"), _stat(z, "latency_us"), _stat(z, "latency_us", "p99"),
-                     per_message(r["cpu"], "src"), per_message(r["cpu"], "sink"),
-                     per_message((z or {}).get("cpu"), "src"), per_message((z or {}).get("cpu"), "sink"),
-                     ratios.get("omni/zmq cpu per chunk all processes"), _status(r), _status(z)])
+        rates.append([relay, c, _stat(r, "chunks_per_s"), _stat(z, "chunks_per_s"), ratios.get("omni/zmq chunks/s"),
+                      _stat(r, "latency_us"), _stat(r, "latency_us", "p99"), _stat(z, "latency_us"), _stat(z, "latency_us", "p99"),
+                      _status(r), _status(z)])
+        cpus.append([relay, c, per_message(ocpu, "src"), per_message(ocpu, "sink"), per_message(zcpu, "src"), per_message(zcpu, "sink"),
+                     ratios.get("omni/zmq cpu per chunk src"), ratios.get("omni/zmq cpu per chunk sink"),
+                     r["cpu_us_per_chunk"] if ocpu else None, (z or {}).get("cpu_us_per_chunk") if zcpu else None,
+                     (ocpu or {}).get("cores"), (ocpu or {}).get("machine_cores")])
     chunks = doc["parameters"].get("chunks")
-    head = (f"stream_to edge, {chunks} chunks per stream of a [1, 1, {HIDDEN}] bfloat16 hidden state + token id "
-            "(median chunks/s, per-chunk latency emit -> read in µs, CPU µs per chunk per process; status per side)")
-    return head + "\n" + common.table(headers, rows)
+    head = (f"stream_to edge, {chunks} chunks per stream, each a [1, 1, {HIDDEN}] bfloat16 hidden state + a token id "
+            "(median chunks/s; per-chunk latency emit -> read, µs; ratio > 1 means omni is faster)")
+    text = head + "\n" + common.table(["relay", "streams", "omni chunks/s", "pyzmq chunks/s", "omni/pyzmq", "omni p50 µs",
+                                       "omni p99", "pyzmq p50", "pyzmq p99", "omni status", "pyzmq status"], rates)
+    text += ("\n\nCPU µs per chunk (user + system, every thread, from /proc) of the emitting (src) and reading (sink) "
+             "process, and of every process together (caller and head included); cores busy during omni's rounds\n")
+    return text + common.table(["relay", "streams", "omni src", "omni sink", "pyzmq src", "pyzmq sink", "src omni/pyzmq",
+                                "sink omni/pyzmq", "omni all", "pyzmq all", "omni cores", "machine cores"], cpus)
 
 
 def plot(doc: dict[str, Any], path: str, plt: Any) -> None:
