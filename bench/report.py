@@ -43,7 +43,7 @@ def markdown(text: str) -> str:
     out: list[str] = []
     for line in text.splitlines():
         is_table = line.startswith("|")
-        if out and out[-1] and is_table != out[-1].startswith("|"):
+        if line and out and out[-1] and is_table != out[-1].startswith("|"):
             out.append("")
         out.append(line)
     return "\n".join(out)
@@ -56,10 +56,15 @@ def block(module: Any, doc: dict[str, Any]) -> str:
     if checks:
         lines += ["", f"Checks met: {len(checks) - len(failed)} of {len(checks)}" + (":" if failed else ".")]
         lines += [""] * bool(failed) + [f"- not met: {k}" for k in failed]
-    notes = [n for n in doc.get("notes", []) if "Ray peer not run" not in n]
+    notes = [_first_line(n) for n in doc.get("notes", []) if "Ray peer not run" not in n]
     if notes:
         lines += [""] + [f"- note: {n}" for n in notes]
     return "\n".join(lines)
+
+
+def _first_line(note: str, limit: int = 400) -> str:
+    line = note.strip().splitlines()[0] if note.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def update(path: Path, docs: dict[str, dict[str, Any]], modules: dict[str, Any]) -> list[str]:

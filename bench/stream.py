@@ -32,7 +32,7 @@ from .cpu import CpuAccount, CpuWindow, per_message
 NAME = "stream"
 HIDDEN = 2048  # elements of the bfloat16 hidden state per chunk: [1, 1, 2048] = 4 KiB
 SIZES = {
-    "quick": {"relays": ["auto"], "concurrency": [1, 16, 64], "chunks": 16, "warmup_s": 0.2, "duration_s": 1.0,
+    "quick": {"relays": ["auto", "inline"], "concurrency": [1, 16, 64], "chunks": 16, "warmup_s": 0.2, "duration_s": 1.0,
               "rounds": 2, "deadline_s": 20.0},
     "full": {"relays": ["auto", "inline"], "concurrency": [1, 16, 64], "chunks": 128, "warmup_s": 1.0,
              "duration_s": 3.0, "rounds": 4, "deadline_s": 60.0},
@@ -181,8 +181,9 @@ def measure_relay(relay: str, params: dict[str, Any], loop: common.Loop, notes: 
                     "bad_chunks": p.bad, "short_streams": p.short, "cpu": cpu,
                     "cpu_us_per_chunk": (cpu["total_cpu_s"] / p.chunks * 1e6) if cpu and p.chunks else None,
                 })
-                if p.error:
-                    notes.append(f"stream: relay {relay}, {c} streams, {LABELS[impl]}: {p.status}: {p.error}")
+                if p.error:  # the row keeps the whole message (and remote traceback); the note its first line
+                    first = p.error.strip().splitlines()[0]
+                    notes.append(f"stream: relay {relay}, {c} streams, {LABELS[impl]}: {p.status}: {first}")
     finally:
         for impl, obj in live.items():
             _close(obj, notes, impl)
