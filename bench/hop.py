@@ -5,7 +5,8 @@ caller), so per-hop latency = round-trip time / (N + 1). omni (a real ``Pipeline
 stages, each in its own process) runs side by side with the raw pyzmq chain (the floor) and the
 ``multiprocessing.Queue`` chain (the naive alternative), in shuffled rounds so all three see the
 same machine noise; the Ray Compiled Graph chain (optional peer) runs after them in its own
-process.
+process. Around every measured round the CPU time of every process of the implementation (the
+caller and each stage) is read (``bench/cpu.py``): CPU µs per message per stage.
 """
 
 from __future__ import annotations

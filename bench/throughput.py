@@ -4,7 +4,8 @@ Closed loop: ``concurrency`` requests are kept in flight for ``duration_s`` (a n
 soon as one completes), then the last ones drain; rate = completed / elapsed. omni (``Pipeline``
 of 3 ``Echo`` stages, ``concurrency`` tasks calling ``submit``) runs side by side with the raw
 pyzmq chain and the ``multiprocessing.Queue`` chain, pipelined to the same depth, in shuffled
-rounds; the Ray Compiled Graph chain (optional peer) runs after them in its own process.
+rounds; the Ray Compiled Graph chain (optional peer) runs after them in its own process. CPU µs
+per message of every process is read around every measured round (``bench/cpu.py``).
 """
 
 from __future__ import annotations

@@ -227,3 +227,18 @@ def test_nothing_left_behind(results, no_leaks):  # noqa: F811
 def test_cli_rejects_an_unknown_scenario():
     with pytest.raises(SystemExit):
         runner.parse_args(["--scenario", "nope"])
+
+
+def test_doc_blocks_are_rewritten_and_the_prose_kept(results, tmp_path):
+    from bench import report
+
+    page = tmp_path / "performance.md"
+    page.write_text("# title\n\nprose before\n\n<!-- bench:stream -->\nold table\n<!-- /bench:stream -->\n\nprose after\n")
+    docs = {name: results[name][0] for name in ("stream", "hop")}
+    missing = report.update(page, docs, {name: runner.scenario_module(name) for name in docs})
+    assert missing == ["hop"]  # the page has no hop block: left alone, reported
+    text = page.read_text()
+    assert text.startswith("# title\n\nprose before\n\n<!-- bench:stream -->\n_Measured by a `--quick` run")
+    assert text.endswith("<!-- /bench:stream -->\n\nprose after\n")
+    assert "old table" not in text and "| relay " in text and "Checks met:" in text
+    assert "\n\n\n" not in text
