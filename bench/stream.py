@@ -277,6 +277,11 @@ def plot(doc: dict[str, Any], path: str, plt: Any) -> None:
     relays = list(dict.fromkeys(r["relay"] for r in doc["rows"]))
     cs = sorted({r["concurrency"] for r in doc["rows"]})
     styles = iter(("o-", "s-", "d-", "v-", "^-", "x-"))
+    failed = [f"omni ({r['relay']}) {r['concurrency']} streams: {r['status']}" for r in doc["rows"]
+              if r["impl"] == "omni" and not _ok(r)]
+    if failed:
+        a1.text(0.98, 0.02, "not measured:\n" + "\n".join(failed), transform=a1.transAxes, fontsize=7, va="bottom", ha="right",
+                color="crimson")
     for relay in relays:
         for impl in IMPLS:
             if impl == "zmq" and relay != relays[0]:
