@@ -22,6 +22,7 @@ and a fresh one serves the next point; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -125,7 +126,7 @@ def _round(obj: Any, impl: str, point: _Point, c: int, params: dict[str, Any]) -
     chunks = params["chunks"]
     results: list[dict] = []
     deadline = time.monotonic() + params["deadline_s"]
-    pids = {"caller": _self_pid(), **obj.pids()}
+    pids = {"caller": os.getpid(), **obj.pids()}
     with CpuWindow(pids) as window:
         done, elapsed = obj.streams(chunks, c, params["duration_s"], deadline, results)
     read = sum(r["n"] for r in results)
@@ -139,12 +140,6 @@ def _round(obj: Any, impl: str, point: _Point, c: int, params: dict[str, Any]) -
         point.latencies += r["lat_us"]
         point.bad += r["bad"]
         point.short += r["n"] != chunks
-
-
-def _self_pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def measure_relay(relay: str, params: dict[str, Any], loop: common.Loop, notes: list[str]) -> list[dict[str, Any]]:
