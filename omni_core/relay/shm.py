@@ -433,6 +433,15 @@ class ShmRelay(Relay):
         self._maps.clear()
         self._held.clear()
 
+    def debug_state(self) -> dict[str, int]:
+        """Per-request entries this instance holds: spans in flight toward receivers, one-off
+        segments alive, received handles not yet released."""
+        return {
+            "spans": sum(len(pool.holders()) and len(pool.spans) for pool in self._pools.values()),
+            "oneoffs": sum(len(big.live) for big in self._oneoffs.values()),
+            "held": len(self._held),
+        }
+
     @classmethod
     def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         return sweep(run_id, dry_run=dry_run)
