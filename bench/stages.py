@@ -114,15 +114,19 @@ class ChunkSink:
 
 def stream_pair(*, relay: str = "auto", options: dict | None = None, hidden: int = 2048,
                 name: str = "bench-stream", **fields) -> dict:
-    """``head`` → (``src``, ``sink``) in three processes; ``src`` streams to ``sink``
-    (``stream_to``) while both run: ``head`` hands both their payload, so the sink reads the
-    stream as it is produced. Both are terminal (the result is ``{"src": …, "sink": …}``)."""
+    """``head`` → (``src``, ``sink``), ``src`` streaming to ``sink`` (``stream_to``) while both
+    run: ``head`` hands both their payload, so the sink reads the stream as it is produced.
+    ``src`` is not terminal (a terminal stage's chunks would go to the caller too): its result
+    goes to ``done``, an ``Echo`` in ``src``'s process (an object hand-over, no message). The
+    terminal stages are ``sink`` and ``done`` (the result is ``{"sink": …, "done": …}``). Three
+    processes: ``head``, ``src`` (with ``done``), ``sink``."""
     return {
         "name": name,
         "stages": [
             {"name": "head", "factory": "bench.stages:Echo", "next": ["src", "sink"]},
             {"name": "src", "factory": "bench.stages:ChunkSource", "args": {"hidden": hidden},
-             "stream_to": ["sink"], "terminal": True},
+             "stream_to": ["sink"], "next": "done", "process": "src"},
+            {"name": "done", "factory": "bench.stages:Echo", "terminal": True, "process": "src"},
             {"name": "sink", "factory": "bench.stages:ChunkSink", "args": {"source": "src", "hidden": hidden},
              "terminal": True, "can_accept_stream_before_payload": True},
         ],

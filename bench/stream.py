@@ -1,7 +1,8 @@
 """stream: chunks per second and per-chunk latency through a stage→stage ``stream_to`` edge.
 
 A real ``Pipeline`` of three processes: ``head`` (``Echo``) hands its payload to ``src`` and
-``sink``; ``src`` (``ChunkSource``) emits ``chunks`` chunks, each a ``[1, 1, 2048]`` bfloat16
+``sink``; ``src`` (``ChunkSource``, not terminal: its result goes to ``done`` in its own process)
+emits ``chunks`` chunks, each a ``[1, 1, 2048]`` bfloat16
 hidden state (4 KiB), a token id and its emit time, to ``sink`` (``ChunkSink``, ``stream_to``),
 which reads them while they are produced, checks their order and content, and returns each
 chunk's latency (emit → read, one monotonic clock). A thinker emitting a token and its hidden
