@@ -59,6 +59,7 @@ class StartupError(OmniError):
     def __init__(self, message: str, *, process: str | None = None, traceback: str | None = None):
         self.process = process
         self.traceback = traceback
+        self.message = message
         text = message if not traceback else f"{message}\n\n--- traceback from {process} ---\n{traceback}"
         super().__init__(text)
 

@@ -48,6 +48,9 @@ def plan(
         err.print(f"error: --json and --format {fmt.value} contradict each other; pass one of them")
         raise typer.Exit(2)
     fmt = PlanFormat.json if as_json else fmt
+    from .importpath import add_config_import_paths
+
+    add_config_import_paths(config)  # a placement strategy or function given by dotted path beside the config
     try:
         cfg = load_config(config)
         result = build_plan(cfg, get_registry(), gpus=gpus, environ=os.environ)

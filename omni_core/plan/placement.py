@@ -249,9 +249,20 @@ def simulated_devices(count: int, memory: int | None = None) -> tuple[Device, ..
     return tuple(Device(i, memory) for i in range(count))
 
 
+def cuda_driver_present() -> bool:
+    """Whether this machine could have a CUDA GPU at all: the NVIDIA driver's control device or
+    its library exists. False means no GPU for sure; True still needs torch to count them."""
+    import ctypes.util
+    import os
+
+    return os.path.exists("/dev/nvidiactl") or ctypes.util.find_library("cuda") is not None
+
+
 def detect_devices(memory_override: int | None = None) -> tuple[Device, ...]:
     """The GPUs torch can see (none on a CPU-only machine), numbered as torch numbers them, that
     is, as indexes into ``CUDA_VISIBLE_DEVICES`` when it is set."""
+    if not cuda_driver_present():
+        return ()  # without importing torch (seconds): a CPU machine plans and validates fast
     try:
         import torch
     except ImportError:  # pragma: no cover
