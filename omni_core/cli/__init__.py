@@ -78,6 +78,8 @@ def fail_config(exc, *, source: str, as_json: bool):
     """Print every issue of a ConfigError (as JSON, or as text on stderr) and exit 1."""
     from ..errors import ConfigError
 
+    if debug_enabled():
+        raise exc
     if not exc.source:
         exc = ConfigError(exc.issues, source=source)
     if as_json:

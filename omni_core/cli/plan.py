@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, err, fail_config
+from . import app, debug_enabled, err, fail_config
 
 
 class PlanFormat(str, enum.Enum):
@@ -57,6 +57,8 @@ def plan(
     except ConfigError as exc:
         fail_config(exc, source=config, as_json=fmt is PlanFormat.json)
     except (PluginError, LookupError) as exc:
+        if debug_enabled():
+            raise
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
     renderers = {
