@@ -108,7 +108,7 @@ def test_run_imports_stages_beside_the_config_and_from_the_cwd_in_every_process(
     """)
     result = omni("--log-level", "info", "run", str(config), "--input", '{"text": "hi"}', cwd=work / "run")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"text": "+hi"}
+    assert json.loads(result.stdout) == {"text": "+>hi"}
     # --log-level reaches the stage processes: both built their stage and said so (JSON lines:
     # stderr is not a terminal).
     built = [json.loads(line) for line in result.stderr.splitlines() if '"stage built"' in line]

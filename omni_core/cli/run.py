@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from . import app, err
+from . import app, debug_enabled, err
 
 
 def to_jsonable(value: Any) -> Any:
@@ -297,20 +297,28 @@ def run(
 
       omni run pipeline.yaml --inputs requests.jsonl --output results.jsonl
     """
+    from ..errors import OmniError
     from .importpath import add_config_import_paths
+    from .report import describe_error
 
     if (input is None) == (inputs is None):
         err.print("error: give exactly one of --input JSON or --inputs FILE")
         raise typer.Exit(2)
     _check_gpus(gpus)
     add_config_import_paths(config)
-    if input is not None:
-        parsed = _parse_input(input)
-        result = asyncio.run(_run_one(config, parsed, stream, request_id, gpus))
-        print(json.dumps({"result": to_jsonable(result)} if stream else to_jsonable(result)))
-        return
-    lines = [(n, line) for n, line in enumerate(inputs.read_text().splitlines(), start=1) if line.strip()]
-    batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus))
+    try:
+        if input is not None:
+            parsed = _parse_input(input)
+            result = asyncio.run(_run_one(config, parsed, stream, request_id, gpus))
+            print(json.dumps({"result": to_jsonable(result)} if stream else to_jsonable(result)))
+            return
+        lines = [(n, line) for n, line in enumerate(inputs.read_text().splitlines(), start=1) if line.strip()]
+        batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus))
+    except OmniError as exc:
+        if debug_enabled():
+            raise
+        err.print(describe_error(exc), markup=False, highlight=False)
+        raise typer.Exit(1) from None
     err.print(batch.summary(), markup=False, highlight=False)
     if batch.interrupted:
         raise typer.Exit(130)

@@ -47,7 +47,8 @@ def validate(
         f"{len(processes)} process groups, entry {cfg.entry!r}, terminal {', '.join(cfg.terminal_stages)}"
     )
     if as_json:
-        print(json.dumps({"valid": True, "name": cfg.name, "stages": cfg.stage_names, "warnings": list(warnings)}, indent=2))
+        result = {"valid": True, "name": cfg.name, "stages": cfg.stage_names}
+        print(json.dumps({**result, "warnings": list(warnings)} if warnings else result, indent=2))
     else:
         print(summary)
         for warning in warnings:
