@@ -436,3 +436,22 @@ def test_ci_keeps_its_venv_in_a_temporary_directory_it_removes():
     script = (ROOT / ".ci" / "run").read_text()
     assert "/tmp/omni-ci-venv" not in script
     assert 'venv="$(mktemp -d' in script and "trap 'rm -rf \"$venv\"' EXIT" in script
+
+
+def _launcher_that_raises(options):
+    raise KeyError("nodes")
+
+
+def test_an_unexpected_exception_from_plugin_code_names_the_plugin_and_the_registered_name(monkeypatch):
+    from omni_core.cli import report
+    from omni_core.registry import Entry, Registry
+
+    registry = Registry()
+    registry.add(Entry("launcher", "cluster", f"{__name__}:_launcher_that_raises", "omni-cluster"))
+    monkeypatch.setattr(report, "_loaded_registry", lambda: registry)
+    try:
+        _launcher_that_raises({})
+    except KeyError as exc:
+        text = report.describe_error(exc)
+    assert text.splitlines()[0] == "error: launcher 'cluster' of plugin 'omni-cluster' raised KeyError: 'nodes'"
+    assert "Traceback" not in text

@@ -33,10 +33,52 @@ def describe_error(exc: BaseException, *, cfg: Any = None, plan: Any = None) -> 
         return f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if isinstance(exc, OSError) and exc.filename:
         return f"error: {exc.strerror or exc}: {exc.filename}"
+    owner = plugin_of(exc)
+    if owner:
+        return (
+            f"error: {owner} raised {type(exc).__name__}: {exc}\n"
+            f"  this is a bug in that plugin; {DEBUG_HINT} and report it there"
+        )
     return (
         f"error: omni failed unexpectedly: {type(exc).__name__}: {exc}\n"
         f"  this is a bug; {DEBUG_HINT} and report it"
     )
+
+
+def plugin_of(exc: BaseException) -> str | None:
+    """``launcher 'ray' of plugin 'omni-ray'`` when the innermost frame of ``exc``'s traceback
+    that belongs to a registered thing's module is known (None otherwise, or when the registry is
+    not loaded)."""
+    registry = _loaded_registry()
+    if registry is None:
+        return None
+    by_module: dict[str, Any] = {}
+    for entry in registry.entries():
+        target = entry.target
+        module = target.partition(":")[0] if isinstance(target, str) else getattr(target, "__module__", None)
+        if module and not module.startswith("omni_core.") and module not in by_module:
+            by_module[module] = entry
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        entry = by_module.get(tb.tb_frame.f_globals.get("__name__", ""))
+        found = entry or found
+        tb = tb.tb_next
+    return None if found is None else f"{_kind_label(found.kind)} {found.name!r} of plugin {found.plugin!r}"
+
+
+def _loaded_registry() -> Any:
+    try:
+        from ..plugins import get_registry
+
+        return get_registry()
+    except Exception:
+        return None
+
+
+def _kind_label(kind: str) -> str:
+    from ..registry import KIND_LABELS
+
+    return KIND_LABELS.get(kind, kind)
 
 
 def stage_paths(cfg: Any, process: str | None, plan: Any = None) -> list[str]:
