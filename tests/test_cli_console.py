@@ -220,7 +220,8 @@ def test_ctrl_c_prints_the_summary_of_what_finished_and_exits_130(work):
         os.close(master)
     stderr = b"".join(chunks).decode(errors="replace")
     assert "interrupted: 1 of 2 requests finished, 0 failed, 1 not finished" in stderr
-    assert "starting pipeline 'interrupted': " in stderr and "processes ready" in stderr
+    assert "starting pipeline 'interrupted': 1/1 processes started" in stderr
+    assert "1/1 processes ready (" in stderr
     assert "Traceback" not in stderr
 
 

@@ -72,11 +72,12 @@ def _check_gpus(gpus: int | None) -> None:
 
 
 class _StartupLine:
-    """``starting pipeline 'demo': 2/5 processes ready`` on a terminal, updated as processes
-    report ready (``process ready`` log events); nothing when stderr is not a TTY."""
+    """``starting pipeline 'demo': 5/5 processes started, 2 ready`` on a terminal, updated from
+    the runtime's ``process started`` and ``process ready`` log events (seen whatever the log
+    level); nothing when stderr is not a TTY."""
 
     def __init__(self, name: str, total: int | None):
-        self.name, self.total, self.ready = name, total, 0
+        self.name, self.total, self.launched, self.ready = name, total, 0, 0
         self.active = err.is_terminal
         self.started = time.perf_counter()
 
@@ -89,13 +90,20 @@ class _StartupLine:
         return self
 
     def on_event(self, event: dict) -> None:
-        if event.get("event") == "process ready":
+        if event.get("event") == "process started":
+            self.launched += 1
+            self.show()
+        elif event.get("event") == "process ready":
             self.ready += 1
             self.show()
 
-    def show(self, end: str = "") -> None:
+    def show(self, final: bool = False) -> None:
         of = f"/{self.total}" if self.total else ""
-        err.file.write(f"\rstarting pipeline {self.name!r}: {self.ready}{of} processes ready{end}")
+        if final:
+            text = f"{self.total or self.launched}{of} processes ready ({time.perf_counter() - self.started:.1f} s)\n"
+        else:
+            text = f"{self.launched}{of} processes started, {self.ready} ready"
+        err.file.write(f"\r\x1b[2Kstarting pipeline {self.name!r}: {text}")
         err.file.flush()
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -105,8 +113,7 @@ class _StartupLine:
 
         remove_listener(self.on_event)
         if exc_type is None:
-            self.ready = self.total or self.ready
-            self.show(f" ({time.perf_counter() - self.started:.1f} s)\n")
+            self.show(final=True)
         else:
             err.file.write("\n")
             err.file.flush()
