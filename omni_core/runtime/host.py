@@ -28,6 +28,7 @@ import msgspec
 import torch
 import zmq
 
+from .. import metrics
 from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
 from ..config.validate import INJECTED_ARGS
@@ -272,6 +273,7 @@ class Host:
     async def _put(self, relay_name: str, rid: int, tensors: list, target: str) -> tuple[str, bytes, list]:
         """Put ``tensors`` through the edge's relay. Tensors on a device that relay cannot move
         (CPU tensors on a GPU-only relay) go through ``inline`` beside them, in one message."""
+        metrics.relay_bytes(relay_name, self.spec.name, target, sum(t.numel() * t.element_size() for t in tensors))
         relay = self.relay(relay_name)
         devices = relay.capabilities.devices
         fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
@@ -484,9 +486,11 @@ class Host:
             loop.add_signal_handler(sig, self.stopping.set)
         self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name)
         self.inbox.start()
+        exporter = metrics.Exporter(self.boot.runtime_dir, self.spec.name).start()
         await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
         await self.stopping.wait()
         await self.close()
+        exporter.close()
 
     async def close(self) -> None:
         for stage in self.stages.values():

@@ -127,6 +127,11 @@ class Pipeline:
     def running(self) -> bool:
         return self._state == "running"
 
+    @property
+    def state(self) -> str:
+        """``new``, ``starting``, ``running``, ``restarting``, ``stopping`` or ``stopped``."""
+        return self._state
+
     async def start(self) -> None:
         """Start every process and wait until all are ready; ``StartupError`` otherwise (after
         cleaning up everything that was started)."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .. import metrics
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from .context import StageContext, StreamBuffer, StreamClosed
@@ -186,9 +188,13 @@ class StageRuntime:
     async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
         ctx = StageContext(self, rid, request_id)
         self.contexts[rid] = ctx
+        started = None
         try:
             async with self.sem:
+                started = time.perf_counter()
                 result = await self._call(payload, ctx)
+                metrics.stage_call(self.name, "ok", time.perf_counter() - started)
+                started = None
                 del payload
                 stream_inbound = self.stream_inbound.get(rid)
                 if stream_inbound is not None:
@@ -200,7 +206,11 @@ class StageRuntime:
                 await self.host.finish(self, rid, request_id, result)
         except asyncio.CancelledError:
             ctx._aborted = True
+            if started is not None:
+                metrics.stage_call(self.name, "aborted", time.perf_counter() - started)
         except Exception as exc:
+            if started is not None:
+                metrics.stage_call(self.name, "error", time.perf_counter() - started)
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
@@ -221,6 +231,7 @@ class StageRuntime:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
+            metrics.stream_chunk(self.name)
             await self.host.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
