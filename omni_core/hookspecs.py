@@ -116,7 +116,7 @@ def omni_register_apis(register):
     ``register("openai", "acme_omni.api:make_routes", description="...")``.
 
     ``obj`` is a factory ``fn(api: omni_core.serve.ApiContext) -> routes``, called once in the
-    server process after the pipeline started; ``api.pipeline`` is the running pipeline,
+    server process once the pipeline runs; ``api.pipeline`` is the running pipeline,
     ``api.settings`` the server's settings and ``api.options`` this API's mapping from the config's
     ``serve.options``. It returns Starlette routes (a list of routes, a ``Router``) or a FastAPI
     ``APIRouter``. Mounted with ``omni serve --api NAME`` or the config's ``serve: {apis: [NAME]}``;
