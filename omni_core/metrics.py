@@ -196,9 +196,8 @@ def read_processes(runtime_dir: str | None) -> list[dict[str, Any]]:
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             if not entry.name.endswith(".json"):
                 continue
-            with contextlib.suppress(OSError, ValueError):
-                with open(entry.path) as f:
-                    found.append(json.load(f))
+            with contextlib.suppress(OSError, ValueError), open(entry.path) as f:
+                found.append(json.load(f))
     return found
 
 

@@ -208,7 +208,7 @@ def make_routes(api: Any) -> list[Any]:
             return error(exc.status, exc.message, param=exc.param, code=exc.code)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         request.scope.setdefault("state", {})["omni_request_id"] = rid
-        events = api.stream(req["inputs"], request_id=rid)
+        events = api.stream(req["inputs"], request_id=rid, headers=request.headers)
         if req["stream"]:
             return await _streamed(request, rid, req, events)
         pieces: list[str] = []

@@ -28,7 +28,7 @@ import msgspec
 import torch
 import zmq
 
-from .. import metrics
+from .. import metrics, tracing
 from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
 from ..config.validate import INJECTED_ARGS
@@ -52,6 +52,7 @@ CALLER_RELAY = "inline"
 ALL_TARGETS = "*"
 
 _ENDED_MEMORY = 100_000
+_TRACES_MEMORY = 10_000
 
 #: The wire name of a message whose tensors went through two relays (see ``Host._put``).
 SPLIT_RELAY = "+split"
@@ -177,6 +178,8 @@ class Host:
         self.stopping: asyncio.Event | None = None
         self.allow_pickle = self.config.allow_pickle
         self._addresses_of: dict[str, list[str]] = {}
+        #: rid → the request's W3C traceparent, only while tracing is on (omni_core.tracing).
+        self.traces: OrderedDict[int, str] = OrderedDict()
 
     # -- building ------------------------------------------------------------------------------
 
@@ -319,6 +322,10 @@ class Host:
 
     def _dispatch(self, msg: wire.Data, payload: Any, inbound: Inbound) -> None:
         stage = self.stages[msg.stage]
+        if msg.trace and msg.rid not in self.traces:  # tracing: remember the request's context
+            self.traces[msg.rid] = msg.trace
+            if len(self.traces) > _TRACES_MEMORY:
+                self.traces.popitem(last=False)
         if self.boot.followers:
             self._to_followers(msg, payload)
         if msg.kind == "work":
@@ -335,7 +342,7 @@ class Host:
         skeleton, tensors = pack(payload, allow_pickle=self.allow_pickle)
         transfer = inline_transfer(tensors)
         relay = CALLER_RELAY if tensors else ""
-        copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay, transfer.handle, len(transfer.frames))
+        copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay, transfer.handle, len(transfer.frames), msg.trace)
         for follower in self.boot.followers:
             self.outbox.post(self.boot.addresses[follower], copy_msg, transfer.frames)
 
@@ -345,6 +352,7 @@ class Host:
         self.ended[rid] = None
         if len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
+        self.traces.pop(rid, None)
         for stage in self.stages.values():
             stage.forget(rid)
         for relay in self.relays.values():
@@ -367,10 +375,10 @@ class Host:
                          address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
         if tensors:
             relay_name, handle, frames = await self._put(relay_name, rid, tensors, self._process_of(address))
-            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames))
+            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames), self.traces.get(rid, ""))
             await self.outbox.send(address, msg, frames)
         else:
-            fut = self.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton))
+            fut = self.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, trace=self.traces.get(rid, "")))
             if fut is not None:
                 await fut
 
@@ -487,10 +495,12 @@ class Host:
         self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name)
         self.inbox.start()
         exporter = metrics.Exporter(self.boot.runtime_dir, self.spec.name).start()
+        tracing.setup_process(self.spec.name)
         await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
         await self.stopping.wait()
         await self.close()
         exporter.close()
+        tracing.shutdown()
 
     async def close(self) -> None:
         for stage in self.stages.values():

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from .. import tracing
 from ..config import PipelineConfig, load_config, to_dict
 from ..errors import (
     OmniError,
@@ -498,10 +499,11 @@ class Pipeline:
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         if tensors:
             transfer = await self._caller_relay().put(req.rid, tensors, procs[0])
-            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames))
+            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames),
+                            tracing.traceparent())
             await self.outbox.send(address, msg, transfer.frames)
         else:
-            await self.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton))
+            await self.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton, trace=tracing.traceparent()))
 
     async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
         """Run one request and return its result (a dict of stage → result when several

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .. import metrics
+from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from .context import StageContext, StreamBuffer, StreamClosed
@@ -192,7 +192,8 @@ class StageRuntime:
         try:
             async with self.sem:
                 started = time.perf_counter()
-                result = await self._call(payload, ctx)
+                with tracing.stage_span(self.name, request_id=request_id, parent=self.host.traces.get(rid, "")):
+                    result = await self._call(payload, ctx)
                 metrics.stage_call(self.name, "ok", time.perf_counter() - started)
                 started = None
                 del payload

@@ -25,6 +25,7 @@ class Data(msgspec.Struct, tag="d", array_like=True):
     relay: str = ""
     handle: bytes = b""
     nframes: int = 0
+    trace: str = ""  # W3C traceparent of the request ("" unless tracing is on; omni_core.tracing)
 
 
 class StreamEnd(msgspec.Struct, tag="e", array_like=True):

@@ -12,14 +12,15 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
 import structlog
 
-from ..errors import RequestAborted
+from .. import tracing
 from ..encoding import EncodingError, from_jsonable, to_jsonable
+from ..errors import RequestAborted
 from ..logs import get_logger
 from ..metrics import RequestMeter
 from .errors import RETRY_AFTER, HTTPError, describe, error_body, error_response
@@ -108,21 +109,25 @@ class ApiContext:
     def pipeline_name(self) -> str:
         return self.state.name
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None) -> Any:
+    async def submit(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None,
+                     headers: Mapping[str, str] | None = None) -> Any:
         """Run one request; raises what ``Pipeline.submit`` raises, ``HTTPError`` 503 while
-        draining, ``TimeoutError`` past ``timeout``."""
+        draining, ``TimeoutError`` past ``timeout``. ``headers``: the HTTP request's, whose
+        ``traceparent`` becomes the parent of the request's span (with tracing on)."""
         self.state.check_available()
         request_id = request_id or new_request_id()
         self.state.enter(request_id)
         try:
             bind_request(request_id)
-            if timeout is None:
-                return await self.state.meter.submit(inputs, request_id=request_id)
-            return await asyncio.wait_for(self.state.meter.submit(inputs, request_id=request_id), timeout)
+            with tracing.request_span(f"{self.name} request", request_id=request_id, pipeline=self.state.name, headers=headers):
+                if timeout is None:
+                    return await self.state.meter.submit(inputs, request_id=request_id)
+                return await asyncio.wait_for(self.state.meter.submit(inputs, request_id=request_id), timeout)
         finally:
             self.state.leave(request_id)
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None) -> AsyncIterator[Any]:
+    async def stream(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None,
+                     headers: Mapping[str, str] | None = None) -> AsyncIterator[Any]:
         """``Pipeline.stream`` with the same guarantees as :meth:`submit`; ``timeout`` bounds
         the whole stream. Closing the iterator early aborts the request."""
         self.state.check_available()
@@ -130,21 +135,32 @@ class ApiContext:
         self.state.enter(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         events = self.state.meter.stream(inputs, request_id=request_id)
+        span = tracing.start_request_span(f"{self.name} stream", request_id=request_id, pipeline=self.state.name, headers=headers)
+        error: BaseException | None = None
+        first = True
         try:
             bind_request(request_id)
             while True:
-                if deadline is None:
-                    event = await events.__anext__()
-                else:
-                    event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                # The first step admits the request and sends its inputs: under the span, so
+                # the stage processes' spans are its children.
+                with tracing.use(span if first else None):
+                    if deadline is None:
+                        event = await events.__anext__()
+                    else:
+                        event = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                first = False
                 yield event
                 if event.is_result:
                     return
         except StopAsyncIteration:
             return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             await events.aclose()
             self.state.leave(request_id)
+            tracing.end(span, error if isinstance(error, Exception) else None)
 
     @staticmethod
     def error_response(exc: BaseException):
@@ -337,7 +353,8 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
         if stream:
             return await _stream(request, inputs, request_id, timeout)
         try:
-            result = await until_disconnect(request.receive, api.submit(inputs, request_id=request_id, timeout=timeout))
+            result = await until_disconnect(request.receive, api.submit(inputs, request_id=request_id, timeout=timeout,
+                                                                        headers=request.headers))
         except ClientGone:
             return PlainTextResponse("", status_code=499)
         except BaseException as exc:
@@ -347,7 +364,7 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
         return JSONResponse({"id": request_id, "result": to_jsonable(result)})
 
     async def _stream(request, inputs, request_id, timeout):
-        events = api.stream(inputs, request_id=request_id, timeout=timeout)
+        events = api.stream(inputs, request_id=request_id, timeout=timeout, headers=request.headers)
         # Errors before the first event (overloaded, a stage failing at once) get their status
         # code; later ones become an `event: error`.
         try:
