@@ -80,7 +80,7 @@ def test_overload_is_a_429_with_retry_after_and_sigterm_drains_a_stream_in_fligh
     server.assert_nothing_left()
     access = [json.loads(line) for line in server.lines if '"http request"' in line]
     held = [a for a in access if a.get("request_id") == "held-1"]
-    assert len(held) == 1 and held[0]["status"] == 200 and "duration_ms" in held[0]
+    assert len(held) == 1 and held[0]["status"] == 200 and "duration_ms" in held[0] and "ttfc_ms" in held[0]
 
 
 @pytest.mark.parametrize("how", ["drain timeout", "second signal"])

@@ -434,8 +434,8 @@ def _failed(request: Any, exc: BaseException):
 
 
 class AccessLog:
-    """ASGI middleware: one line per HTTP request (id, method, path, status, duration, time to
-    first body byte), with ``request_id`` bound for every log line of the request."""
+    """ASGI middleware: one line per HTTP request (id, method, path, status, duration and, for a
+    stream, time to first chunk), with ``request_id`` bound for every log line of the request."""
 
     def __init__(self, app: Any, state: ServeState):
         self.app = app
@@ -449,12 +449,14 @@ class AccessLog:
         start = time.perf_counter()
         status = 500
         first_body: float | None = None
+        streamed = False
         structlog.contextvars.clear_contextvars()
 
         async def send_wrapper(message: dict) -> None:
-            nonlocal status, first_body
+            nonlocal status, first_body, streamed
             if message["type"] == "http.response.start":
                 status = message["status"]
+                streamed = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message.get("headers", []))
             elif message["type"] == "http.response.body" and first_body is None and message.get("body"):
                 first_body = time.perf_counter() - start
             await send(message)
@@ -470,8 +472,8 @@ class AccessLog:
             }
             if rid is not None:
                 fields["request_id"] = rid
-            if first_body is not None:
-                fields["first_byte_ms"] = round(first_body * 1000, 2)
+            if first_body is not None and streamed:  # a stream's first body bytes are its first chunk
+                fields["ttfc_ms"] = round(first_body * 1000, 2)
             if scope.get("path") not in ("/health", "/ready", "/metrics"):
                 self.log.info("http request", **fields)
             structlog.contextvars.clear_contextvars()
