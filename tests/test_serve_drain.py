@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 HERE = Path(__file__).parent
 CONFIG = str(HERE / "configs" / "serve" / "small.yaml")
 REQUESTS = "/v1/pipelines/small/requests"
-ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "OMNI_LOG_LEVEL": "info"}
 
 
 def held_stream(client: httpx.Client, gate: Path, request_id: str, words: str = "one two three"):

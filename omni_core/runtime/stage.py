@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import structlog
 
 from .. import metrics, tracing
 from ..config.schema import StageConfig
@@ -189,6 +190,7 @@ class StageRuntime:
         ctx = StageContext(self, rid, request_id)
         self.contexts[rid] = ctx
         started = None
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's log lines
         try:
             async with self.sem:
                 started = time.perf_counter()

@@ -68,10 +68,10 @@ class ServeState:
         retry = {"Retry-After": str(RETRY_AFTER)}
         if self.draining:
             raise HTTPError(503, "Draining", f"the server is shutting down: pipeline {self.name!r} takes no new requests", headers=retry)
-        state = self.pipeline.state
-        if not self.started or state not in ("running", "restarting"):
-            what = "starting" if state in ("new", "starting") else state
-            raise HTTPError(503, "PipelineUnavailable", f"pipeline {self.name!r} is {what}", headers=retry)
+        if not self.started:
+            raise HTTPError(503, "PipelineUnavailable", f"pipeline {self.name!r} is starting", headers=retry)
+        # Once started, a pipeline that stopped on its own refuses the request itself, saying why
+        # (PipelineClosed, a 503 too).
 
     def enter(self, request_id: str) -> None:
         self.active.add(request_id)
@@ -337,6 +337,7 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
             "stages": cfg.stage_names,
             "terminal_stages": list(cfg.terminal_stages),
             "apis": list(state.settings.apis),
+            "processes": state.pipeline.pids(),
         }]})
 
     async def requests(request):
