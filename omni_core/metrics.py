@@ -176,11 +176,20 @@ class Exporter:
         while not self._stop.wait(self.interval):
             self.write()
 
-    def close(self) -> None:
+    def close(self, *, remove: bool = False) -> None:
+        """Stop exporting: a last write, or with ``remove`` (nobody will read it) remove this
+        process's file, and the folder once it is empty."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(1.0)
-        self.write()
+        if not remove:
+            self.write()
+            return
+        for path in (self.path, f"{self.path}.partial"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
 
 
 # -- reading them in the caller ----------------------------------------------------------------------

@@ -308,8 +308,9 @@ class Host:
         tracing.setup_process(self.spec.name)
         await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
         await self.stopping.wait()
+        # Orphaned (the parent was killed): nobody reads the metrics; leave nothing in the runtime dir.
+        exporter.close(remove=not process_alive(self.boot.parent_pid))
         await self.close()
-        exporter.close()
         tracing.shutdown()
 
     async def close(self) -> None:
