@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from plugin_fixtures import run_omni
+from runtime_helpers import no_leaks  # noqa: F401
 
 from omni_core.config import load_config
 from omni_core.encoding import EncodingError, from_jsonable, to_jsonable
@@ -147,3 +148,32 @@ def test_stores_of_several_processes_merge_and_render_as_prometheus_text():
 def test_restarts_are_the_pids_a_process_name_exported_beyond_the_first():
     exports = [{"process": "enc", "pid": 1}, {"process": "enc", "pid": 2}, {"process": "dec", "pid": 3}]
     assert restarts(exports) == {"enc": 1, "dec": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_leaks")
+def test_an_embedder_gets_the_same_metrics_without_the_server():
+    import asyncio
+
+    from runtime_helpers import arun
+
+    from omni_core import Pipeline
+    from omni_core.metrics import RequestMeter
+
+    async def main():
+        async with Pipeline(CONFIG) as pipeline:
+            meter = RequestMeter(pipeline)
+            assert (await meter.submit({"text": "a b"}))["count"] == 2
+            chunks = [e async for e in meter.stream({"text": "c d e"}) if not e.is_result]
+            assert len(chunks) == 3
+            text = meter.prometheus_text()
+            while 'omni_stage_calls_total{stage="words",status="ok"} 2.0' not in text:  # exported every 0.25 s
+                await asyncio.sleep(0.05)
+                text = meter.prometheus_text()
+            return text
+
+    text = arun(main(), timeout=90)
+    assert 'omni_requests_total{pipeline="words",status="ok"} 2.0' in text
+    assert 'omni_time_to_first_chunk_seconds_count{pipeline="words"} 1.0' in text
+    assert 'omni_stream_chunks_total{stage="words"} 5.0' in text
