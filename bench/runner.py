@@ -12,7 +12,7 @@ from typing import Any
 
 from . import common
 
-SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale")
+SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale", "serve")
 
 
 def scenario_module(name: str) -> Any:

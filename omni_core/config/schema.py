@@ -80,6 +80,14 @@ class RestartConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ServeConfig:
+    """How ``omni serve`` serves the pipeline (ignored by ``omni run`` and the library)."""
+
+    apis: tuple[str, ...] = ()
+    options: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
 class StageConfig:
     """One stage: what runs (``factory`` + ``args``), where its output goes, and where it runs."""
 
@@ -131,6 +139,7 @@ class PipelineConfig:
     restart: RestartConfig = attrs.field(factory=RestartConfig)
     allow_cycles: bool = False
     allow_pickle: bool = False
+    serve: ServeConfig = attrs.field(factory=ServeConfig)
 
     @property
     def entry(self) -> str:

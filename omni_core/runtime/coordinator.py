@@ -20,6 +20,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from .. import tracing
 from ..config.schema import PipelineConfig
 from ..errors import (
     OmniError,
@@ -158,10 +159,11 @@ class Coordinator:
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         if tensors:
             transfer = await self._caller_relay().put(req.rid, tensors, leaders[0])
-            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames))
+            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames),
+                            trace=tracing.traceparent())
             await runner.outbox.send(address, msg, transfer.frames)
         else:
-            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton))
+            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton, trace=tracing.traceparent()))
 
     # -- the caller's API ------------------------------------------------------------------------
 

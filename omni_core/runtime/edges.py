@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from .. import metrics
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
@@ -88,6 +89,7 @@ class Edges:
         """Put ``tensors`` through the edge's relay: ``(wire relay name, handle, frames)``.
         Tensors on a device that relay cannot move (CPU tensors on a GPU-only relay) go through
         ``inline`` beside them, in one message."""
+        metrics.relay_bytes(relay_name, self.process, target, sum(t.numel() * t.element_size() for t in tensors))
         relay = self.relay(relay_name)
         devices = relay.capabilities.devices
         fits = [i for i, t in enumerate(tensors) if t.device.type in devices]

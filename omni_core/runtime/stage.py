@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import structlog
 
+from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from .context import StageContext
@@ -188,9 +191,15 @@ class StageRuntime:
     async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
         ctx = StageContext(self, rid, request_id)
         self.contexts[rid] = ctx
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's log lines
+        started = None
         try:
             async with self.sem:
-                result = await self._call(payload, ctx)
+                started = time.perf_counter()
+                with tracing.stage_span(self.name, request_id=request_id, parent=self.host.traces.get(rid, "")):
+                    result = await self._call(payload, ctx)
+                metrics.stage_call(self.name, "ok", time.perf_counter() - started)
+                started = None
                 del payload
                 if self.streaming_sources:
                     self.finished.add(rid)
@@ -202,10 +211,14 @@ class StageRuntime:
                     return
                 await self.host.router.finish(self, rid, request_id, result)
         except asyncio.CancelledError:
+            if started is not None:
+                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", time.perf_counter() - started)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
                 self.host.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
+            if started is not None:
+                metrics.stage_call(self.name, "error", time.perf_counter() - started)
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
@@ -228,6 +241,7 @@ class StageRuntime:
             lent = (inbound.storages if inbound is not None else set()) | self._stream_storages(rid)
             if lent:  # a chunk viewing received relay memory outlives this call where it goes
                 chunk = self.host.edges.copy_out(chunk, lent)
+            metrics.stream_chunk(self.name)
             await self.host.router.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
