@@ -271,7 +271,31 @@ def _duplicate(letter: str) -> FakeDistribution:
 DUP_A = _duplicate("a")
 DUP_B = _duplicate("b")
 
-ALL = (GOOD, BROKEN, RAISES, MISSPELLED, DISABLED, DUP_A, DUP_B)
+BROKEN_RELAY = FakeDistribution(
+    name="omnitest-brokenrelay",
+    version="0.3.0",
+    entry_points={"brokenrelay": "omnitest_brokenrelay.plugin"},
+    files={
+        "omnitest_brokenrelay/__init__.py": "",
+        "omnitest_brokenrelay/plugin.py": '''
+            """Registers a relay, lazily and with its capabilities, whose module cannot import."""
+            import omni_core
+            from omni_core.options import positive_int
+
+
+            @omni_core.hookimpl
+            def omni_register_relays(register):
+                register("brokenrelay", "omnitest_brokenrelay.relay:BrokenRelay",
+                         capabilities={"devices": ["cpu", "cuda"], "scopes": ["node"], "priority": 1},
+                         options={"slots": positive_int(8, "credits")})
+        ''',
+        "omnitest_brokenrelay/relay.py": '''
+            raise ImportError("omnitest_brokenrelay.relay needs a library that is not installed")
+        ''',
+    },
+)
+
+ALL = (GOOD, BROKEN, RAISES, MISSPELLED, DISABLED, DUP_A, DUP_B, BROKEN_RELAY)
 
 
 def make_plugin_site(site: Path) -> Path:

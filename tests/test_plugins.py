@@ -28,7 +28,7 @@ from omni_core.plugins import (
 )
 
 #: omni-core's own plugins (more may be added; these are the ones the tests rely on).
-BUILTINS = {"functions", "placements", "relays"}
+BUILTINS = {"omni.functions", "omni.placements", "omni.relays", "omni.launchers"}
 
 
 def builtin_names(plugins) -> set[str]:
@@ -130,7 +130,7 @@ def test_extra_plugins_load_like_installed_ones():
 
 
 def test_info_of_an_unknown_plugin_lists_the_loaded_ones(load):
-    with pytest.raises(PluginError, match=r"no plugin named 'nope'; loaded: functions"):
+    with pytest.raises(PluginError, match=r"no plugin named 'nope'; loaded: omni.functions"):
         load("").info("nope")
 
 
@@ -201,7 +201,7 @@ def test_marked_function_without_the_omni_prefix_is_an_unknown_hook_not_a_crash(
 
     plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("noprefix", Plugin())])
     assert plugins.info("noprefix").error.startswith("unknown hook 'register_stages'")
-    assert plugins.info("functions").error is None
+    assert plugins.info("omni.functions").error is None
 
 
 def test_hook_function_without_the_marker_is_an_error_not_silently_ignored():
@@ -359,8 +359,8 @@ def test_omni_load_plugins_accepts_distribution_names(load):
 
 
 def test_builtins_can_be_disabled_too(load):
-    plugins = load("", OMNI_DISABLED_PLUGINS="functions")
-    assert "functions" not in plugins.names()
+    plugins = load("", OMNI_DISABLED_PLUGINS="omni.functions")
+    assert "omni.functions" not in plugins.names()
     assert plugins.registry.names("merge") == []
 
 
@@ -398,8 +398,8 @@ def test_plugin_clashing_with_a_builtin_name_is_reported():
             register("omni.merge_dicts", dict, kind="merge")
 
     plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("clash", Plugin())])
-    assert "also registered by plugin 'functions'" in plugins.info("clash").error
-    assert "more than one plugin: 'functions' and 'clash'" in plugins.registry.problem(
+    assert "also registered by plugin 'omni.functions'" in plugins.info("clash").error
+    assert "more than one plugin: 'omni.functions' and 'clash'" in plugins.registry.problem(
         "merge", "omni.merge_dicts"
     )
 
@@ -410,11 +410,43 @@ def test_two_plugins_under_one_name_keep_the_first(load):
         def omni_register_stages(self, register):
             register("impostor.stage", dict)
 
-    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("relays", Impostor())])
-    impostor = [i for i in plugins.infos if i.name == "relays"][-1]
-    assert impostor.error.startswith("another plugin is already loaded under the name 'relays'")
-    assert "omni_core.builtin.relays" in impostor.error
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("acme", object()), ("acme", Impostor())])
+    impostor = [i for i in plugins.infos if i.name == "acme"][-1]
+    assert impostor.error.startswith("another plugin is already loaded under the name 'acme'")
     assert "impostor.stage" not in plugins.registry.names("stage")
+
+
+def test_a_third_party_entry_point_named_like_a_builtin_does_not_clash():
+    class Relays:
+        @hookimpl
+        def omni_register_stages(self, register):
+            register("relays.stage", dict)
+
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("relays", Relays())])
+    assert plugins.info("relays").error is None
+    assert plugins.info("omni.relays").error is None
+    assert plugins.info("omni-core:omni.relays").builtin
+    assert "shm" in plugins.registry.names("relay")
+
+
+def test_plugins_are_identified_by_distribution_and_entry_point(load):
+    plugins = load("omnitest-good:good")
+    assert plugins.info("good").id == "omnitest-good:good"
+    assert plugins.info("omnitest-good:good") is plugins.info("good")
+    assert plugins.info("omni-core:omni.functions").builtin
+
+
+def test_disabling_by_id_and_by_plain_name(load):
+    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni-core:omni.relays").names()
+    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni.relays").names()
+    assert "good" not in load("good", OMNI_DISABLED_PLUGINS="omnitest_good:good").names()
+
+
+def test_unknown_plugin_names_in_the_environment_are_warnings_with_a_guess(load):
+    plugins = load("godo", OMNI_DISABLED_PLUGINS="omni.relay")
+    assert "OMNI_LOAD_PLUGINS: no installed plugin is called 'godo' (did you mean 'good'?)" in plugins.warnings
+    assert "OMNI_DISABLED_PLUGINS: no installed plugin is called 'omni.relay' (did you mean 'omni.relays'?)" in plugins.warnings
+    assert load("good").warnings == []
 
 
 # -- the plugin guide's example ---------------------------------------------------------------------
