@@ -24,6 +24,8 @@ KINDS: dict[str, str] = {
 }
 #: The hook a kind's plugin implements (for the README's ``omni plugins list --hook``).
 _HOOKS = {"stage": "stages", "relay": "relays"}
+#: What a kind's generated code imports besides omni-core.
+_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"]}
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -52,12 +54,14 @@ def _values(name: str, kind: str) -> dict[str, str]:
         "pkg": pkg,
         "dist": dist,
         "kind": kind,
+        "cls": "".join(part.title() for part in name.split("_")) + "Relay",
         "kind_flag": "" if kind == "stage" else f" --kind {kind}",
         "hook": _HOOKS[kind],
         "omni_min": __version__,
         "description": f"omni plugin {name!r}: {KINDS[kind]}.",
         "run_example": run,
         "layout": _layout(kind, name, pkg),
+        "dependencies": ", ".join(f'"{d}"' for d in [f"omni-core>={__version__}", *_DEPENDENCIES[kind]]),
     }
 
 
