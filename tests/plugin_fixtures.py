@@ -320,6 +320,11 @@ def omni_command() -> list[str]:
     return [sys.executable, "-c", "from omni_core.cli import main; main()"]
 
 
+def _distributions_in(site: Path | str) -> list[str]:
+    """The distributions installed in ``site`` (their ``*.dist-info`` folders)."""
+    return sorted(p.name.split("-")[0] for p in Path(site).glob("*.dist-info"))
+
+
 def run_omni(
     *args: str, pythonpath: Path | str | None = None, env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
@@ -327,6 +332,8 @@ def run_omni(
     """Run ``omni ARGS`` in a fresh process; ``pythonpath`` makes extra distributions visible."""
     skip = ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS")
     full_env = {k: v for k, v in os.environ.items() if k not in skip}
+    # hermetic: the distributions in ``pythonpath`` load, nothing else installed does
+    full_env["OMNI_LOAD_PLUGINS"] = ",".join(_distributions_in(pythonpath)) if pythonpath is not None else ""
     full_env["NO_COLOR"] = "1"
     if pythonpath is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(

@@ -92,7 +92,14 @@ def test_hook_option_keeps_only_plugins_implementing_it(hook, plugin_site, monke
 def test_unknown_hook_option_is_a_usage_error_listing_the_hooks():
     result = omni_in_process("plugins", "list", "--hook", "omni_register_stage")
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: unknown hook 'omni_register_stage'; hooks are: omni_register_stages,")
+    assert result.stderr.startswith(
+        "error: unknown hook 'omni_register_stage' (did you mean 'omni_register_stages'?); hooks are: omni_register_stages,")
+
+
+def test_a_short_hook_name_gets_a_short_guess():
+    result = omni_in_process("plugins", "list", "--hook", "relay")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: unknown hook 'relay' (did you mean 'relays'?); hooks are:")
 
 
 def test_errors_are_shown_as_text_never_as_markup(tmp_path, monkeypatch):
