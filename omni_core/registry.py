@@ -66,6 +66,27 @@ for _spec in KINDS:
 del _spec
 
 
+#: Names that omni's own distributions provide, so that an unknown one can say what to install:
+#: ``(kind, name or "prefix.")`` → ``(distribution, its folder in the omni repository)``.
+KNOWN_PROVIDERS: dict[tuple[str, str], tuple[str, str]] = {
+    ("relay", "nccl"): ("omni-nccl", "plugins/omni-nccl"),
+    ("relay", "cuda_ipc"): ("omni-cuda-ipc", "plugins/omni-cuda-ipc"),
+    ("launcher", "ray"): ("omni-ray", "plugins/omni-ray"),
+    ("placement", "ray"): ("omni-ray", "plugins/omni-ray"),
+    ("stage", "transformers."): ("omni-transformers", "plugins/omni-transformers"),
+    ("*", "contrib."): ("omni-contrib-stages", "contrib_stages"),
+    ("pipeline", "demo"): ("omni-contrib-stages", "contrib_stages"),
+}
+
+
+def known_provider(kind: str, name: str) -> tuple[str, str] | None:
+    """The omni distribution that provides ``name`` of ``kind``, when omni knows one."""
+    for (k, ref), provider in KNOWN_PROVIDERS.items():
+        if k in (kind, "*") and (name == ref or (ref.endswith(".") and name.startswith(ref))):
+            return provider
+    return None
+
+
 def normalize_distribution(name: str) -> str:
     """A distribution name as packaging compares them: lower case, runs of ``-_.`` as ``-``."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -278,6 +299,10 @@ class Registry:
         elif guess:
             text += f" (did you mean {guess!r}?)"
         text += f"; known: {', '.join(known) if known else '(none registered)'}"
+        provider = known_provider(kind, name)
+        if provider:
+            text += (f"; {name!r} is provided by the distribution {provider[0]}: install it from its "
+                     f"folder in the omni repository (pip install ./{provider[1]})")
         if self.broken:
             text += "; note: " + "; ".join(b.describe() for b in self.broken)
         if self.skipped:

@@ -204,3 +204,11 @@ def test_a_broken_relay_module_fails_only_configs_that_name_it(load):
     cfg = _config(relay={"backend": "brokenrelay", "options": {"slots": 0}})
     assert [m.split(" (")[0] for m in _messages(cfg, registry)] == [
         "relay.options.slots: expected a positive integer, got 0"]
+
+
+def test_an_unknown_name_that_an_omni_distribution_provides_says_what_to_install():
+    problem = _core().problem("relay", "nccl")
+    assert "'nccl' is provided by the distribution omni-nccl: install it from its folder in the omni " \
+           "repository (pip install ./plugins/omni-nccl)" in problem
+    assert "omni-contrib-stages" in _core().problem("stage", "contrib.tee")
+    assert "provided by" not in _core().problem("relay", "nope")
