@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from unittest import mock
 
 import pluggy
@@ -11,12 +10,9 @@ import pytest
 from plugin_fixtures import (
     BROKEN,
     GOOD,
-    FakeDistribution,
-    install_distribution,
 )
 
 import omni_core
-from omni_core.config import load_config
 from omni_core.errors import PluginError
 from omni_core.plugins import (
     HOOK_NAMES,
@@ -447,52 +443,3 @@ def test_unknown_plugin_names_in_the_environment_are_warnings_with_a_guess(load)
     assert "OMNI_LOAD_PLUGINS: no installed plugin is called 'godo' (did you mean 'good'?)" in plugins.warnings
     assert "OMNI_DISABLED_PLUGINS: no installed plugin is called 'omni.relay' (did you mean 'omni.relays'?)" in plugins.warnings
     assert load("good").warnings == []
-
-
-# -- the plugin guide's example ---------------------------------------------------------------------
-
-GUIDE = Path(__file__).parent.parent / "docs" / "plugins.md"
-
-
-def guide_block(after: str) -> str:
-    """The first fenced code block after the line containing ``after`` in docs/plugins.md."""
-    text = GUIDE.read_text()
-    start = text.index("```", text.index(after))
-    body_start = text.index("\n", start) + 1
-    return text[body_start:text.index("```", body_start)]
-
-
-def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeypatch):
-    install_distribution(tmp_path, FakeDistribution(
-        name="acme-omni", version="0.1.0", entry_points={"acme": "acme_omni.plugin"},
-        files={
-            "acme_omni/__init__.py": "",
-            "acme_omni/plugin.py": guide_block("`src/acme_omni/plugin.py`:"),
-            "acme_omni/stages.py": guide_block("`src/acme_omni/stages.py`:"),
-            "acme_omni/pipelines/demo.yaml": guide_block("A config then uses the names"),
-        },
-    ))
-    forget_guide_modules()  # another test may have imported a package of the same name
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": "acme"})
-        info = plugins.info("acme")
-        assert info.error is None
-        assert info.registered == {
-            "stage": ["acme.upper"],
-            "route": ["acme.pick_by_language"],
-            "merge": ["acme.join_texts"],
-            "pipeline": ["acme.demo"],
-        }
-        assert "acme_omni.stages" not in sys.modules, "the guide registers the stage lazily"
-        registry = plugins.registry
-        cfg = load_config("acme.demo", registry=registry)
-        assert (cfg.name, cfg.entry, cfg.terminal_stages) == ("acme-demo", "split", ["out"])
-        assert registry.resolve("stage", "acme.upper").__name__ == "UpperStage"
-    finally:
-        forget_guide_modules()
-
-
-def forget_guide_modules() -> None:
-    for name in [m for m in sys.modules if m == "acme_omni" or m.startswith("acme_omni.")]:
-        del sys.modules[name]
