@@ -21,11 +21,12 @@ from .errors import OmniError
 KINDS: dict[str, str] = {
     "stage": "stages, a route and a merge function, and a pipeline that uses them",
     "relay": "a relay built on omni_core.relay.kit, tested with the relay conformance kit",
+    "placement": "a placement strategy with an options schema, and a pipeline placed by it",
 }
 #: The hook a kind's plugin implements (for the README's ``omni plugins list --hook``).
-_HOOKS = {"stage": "stages", "relay": "relays"}
+_HOOKS = {"stage": "stages", "relay": "relays", "placement": "placements"}
 #: What a kind's generated code imports besides omni-core.
-_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"]}
+_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"], "placement": []}
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -34,6 +35,11 @@ class ScaffoldError(OmniError):
 
 
 def _layout(kind: str, name: str, pkg: str) -> str:
+    if kind == "placement":
+        return (f"- `{pkg}/plugin.py`: registers `{name}.round_robin` by dotted path with its options schema\n"
+                f"- `{pkg}/placement.py`: the strategy, a pure function of a PlacementRequest\n"
+                f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example`, placed by it\n"
+                "- `tests/`: the strategy on simulated GPUs, option checks, the pipeline in real processes")
     if kind == "relay":
         return (f"- `{pkg}/plugin.py`: registers the relay `{name}` by dotted path, with its "
                 "capabilities and options schema (planning never imports the relay)\n"
@@ -47,8 +53,8 @@ def _layout(kind: str, name: str, pkg: str) -> str:
 
 def _values(name: str, kind: str) -> dict[str, str]:
     pkg, dist = f"omni_{name}", f"omni-{name.replace('_', '-')}"
-    run = (f"$ omni run {name}.example --input '{{\"text\": \"hello omni\"}}'" if kind == "stage" else
-           f"$ omni run {name}.example --input '{{\"n\": 4}}'")
+    run = (f"$ omni run {name}.example --input '{{\"n\": 4}}'" if kind == "relay" else
+           f"$ omni run {name}.example --input '{{\"text\": \"hello omni\"}}'")
     return {
         "name": name,
         "pkg": pkg,

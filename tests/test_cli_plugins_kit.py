@@ -46,9 +46,17 @@ def test_new_writes_a_complete_distribution(tmp_path):
     assert "py{310,311,312,313}-omni{installed,min}" in (root / "tox.ini").read_text()
 
 
+def test_new_kind_relay_and_placement_write_their_modules(tmp_path):
+    assert run_omni("plugins", "new", "rel", "--dir", str(tmp_path), "--kind", "relay").returncode == 0
+    assert "class RelRelay(Relay):" in (tmp_path / "omni-rel" / "omni_rel" / "relay.py").read_text()
+    assert "RelayConformance" in (tmp_path / "omni-rel" / "tests" / "test_omni_rel.py").read_text()
+    assert run_omni("plugins", "new", "pl", "--dir", str(tmp_path), "--kind", "placement").returncode == 0
+    assert "def round_robin(request" in (tmp_path / "omni-pl" / "omni_pl" / "placement.py").read_text()
+
+
 @pytest.mark.parametrize("args,code,message", [
     (["Bad-Name"], 1, "error: invalid plugin name 'Bad-Name': use lower-case letters"),
-    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay"),
+    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay, placement"),
 ])
 def test_new_refuses_bad_input_without_a_traceback(tmp_path, args, code, message):
     result = run_omni("plugins", "new", *args, "--dir", str(tmp_path))

@@ -101,7 +101,7 @@ def plugins_list(
 def plugins_new(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The plugin's name: distribution omni-NAME, package omni_NAME, names NAME.*")],
     directory: Annotated[str, typer.Option("--dir", metavar="DIR", help="Where to create omni-NAME/ (default: the working directory).")] = ".",
-    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default) or relay.")] = "stage",
+    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay or placement.")] = "stage",
 ) -> None:
     """Write a complete plugin distribution omni-NAME/: pyproject with the omni entry point, the
     plugin module, tests that run it in real processes, a tox matrix and a README."""
@@ -123,8 +123,8 @@ def plugins_new(
     print(f"  pip install -e {path}")
     print(f"  cd {path} && pytest")
     print(f"  omni plugins check {dist}")
-    if kind == "stage":
-        print(f"  omni run {name}.example --input '{{\"text\": \"hello omni\"}}'")
+    example = '{"n": 4}' if kind == "relay" else '{"text": "hello omni"}'
+    print(f"  omni run {name}.example --input '{example}'")
 
 
 # -- omni plugins check --------------------------------------------------------------------------
