@@ -212,3 +212,10 @@ def test_an_unknown_name_that_an_omni_distribution_provides_says_what_to_install
            "repository (pip install ./plugins/omni-nccl)" in problem
     assert "omni-contrib-stages" in _core().problem("stage", "contrib.tee")
     assert "provided by" not in _core().problem("relay", "nope")
+
+
+def test_the_tp_backend_is_chosen_per_device_by_the_plan():
+    from omni_core.plan.topology import TP_BACKENDS, ProcessSpec
+
+    assert ProcessSpec(name="t.0", group="t", stages=("t",), tp_size=2).tp_backend == TP_BACKENDS["cpu"] == "gloo"
+    assert ProcessSpec(name="t.1", group="t", stages=("t",), tp_size=2, gpu=1).tp_backend == "nccl"
