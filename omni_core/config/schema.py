@@ -67,7 +67,7 @@ class LimitsConfig:
     stream_stall_timeout: float = attrs.field(default=60.0, metadata=POSITIVE)
     heartbeat_interval: float = attrs.field(default=1.0, metadata=POSITIVE)
     heartbeat_timeout: float = attrs.field(default=10.0, metadata=POSITIVE)
-    loop_block_warning: float = attrs.field(default=1.0, metadata=POSITIVE)
+    loop_block_warning: float = attrs.field(default=2.0, metadata=POSITIVE)
 
 
 @attrs.frozen(kw_only=True)
