@@ -9,9 +9,12 @@ and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` h
 ``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
 conflict detection. The callback's signature is::
 
-    register(name, obj, *, description=None, kind=None)
+    register(name, obj, *, description=None, kind=None, capabilities=None, options=None)
 
 ``kind`` is required for functions (``omni_register_functions``) and not accepted elsewhere.
+``capabilities`` (relays) and ``options`` (relays, placement strategies, launchers: an options
+schema, see :mod:`omni_core.options`) are registration metadata: omni plans and validates configs
+from them without importing ``obj``.
 ``obj`` is the object itself or a ``"package.module:attr"`` string, imported only when the name is
 used (keeps ``omni plugins list`` and planning cheap). Names are global per kind: two plugins that
 register the same name of the same kind are a conflict, reported naming both. Hooks are called again
@@ -63,16 +66,19 @@ def omni_register_functions(register):
 
 @hookspec
 def omni_register_relays(register):
-    """Register relay backends: ``register("shm", ShmRelay, description="...")``.
+    """Register relay backends:
+    ``register("acme", "acme_omni.relay:AcmeRelay", capabilities=CAPS, options=SCHEMA)``.
 
-    ``obj`` is a class implementing :class:`omni_core.relay.Relay`; its ``capabilities``
-    say which edges it can serve, so the ``auto`` backend can pick it.
+    ``obj`` is a class implementing :class:`omni_core.relay.Relay`. ``capabilities`` (a
+    :class:`omni_core.relay.RelayCapabilities` or a mapping of devices, scopes, priority) say
+    which edges it can serve, so the ``auto`` backend can pick it without importing it;
+    ``options`` is the schema of its ``relay.options``.
     """
 
 
 @hookspec
 def omni_register_placements(register):
-    """Register placement strategies: ``register("pack", pack, description="...")``.
+    """Register placement strategies: ``register("pack", pack, options=SCHEMA)``.
 
     A strategy is ``fn(request: omni_core.plan.PlacementRequest) -> dict[str, list[int | None]]``
     giving, for every stage, one GPU id (or None for CPU) per tensor-parallel rank, or per replica
@@ -83,7 +89,7 @@ def omni_register_placements(register):
 
 @hookspec
 def omni_register_launchers(register):
-    """Register launchers: ``register("local", LocalLauncher, description="...")``.
+    """Register launchers: ``register("local", LocalLauncher, options=SCHEMA)``.
 
     A launcher starts the planned processes and reports their liveness; see
     :class:`omni_core.runtime.launcher.Launcher` for the protocol.

@@ -34,6 +34,7 @@ from ..logs import get_logger
 from ..plan.topology import Plan
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
+from ..relay.inline import InlineRelay
 from ..relay.payload import pack, unpack
 from . import wire
 from .ordered import OrderedDelivery
@@ -147,8 +148,7 @@ class Coordinator:
     def _caller_relay(self) -> Relay:
         """The relay of the caller's edges (inputs in, results and events out)."""
         if self._relay is None:
-            cls = self.registry.resolve("relay", CALLER_RELAY)
-            self._relay = cls(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
+            self._relay = InlineRelay(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
         return self._relay
 
     async def _send_inputs(self, req: Request, inputs: Any) -> None:

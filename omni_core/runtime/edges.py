@@ -23,7 +23,8 @@ from .. import metrics
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
-from ..relay.base import InvalidHandle, Relay, RelayContext
+from ..relay.base import InvalidHandle, Relay, RelayContext, as_capabilities
+from ..relay.inline import InlineRelay
 from ..relay.lifetime import detach, lent_storages, storage_key
 from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
 
@@ -65,13 +66,15 @@ class Edges:
         self.runtime_dir = runtime_dir
         self.stages = stages
         self.relays: dict[str, Relay] = {}
+        self._devices: dict[str, frozenset[str]] = {}
         self.log = get_logger(pipeline=config.name, process=process)
         self._process_of = {address: (name or "coordinator") for name, address in addresses.items()}
 
     def relay(self, name: str) -> Relay:
         relay = self.relays.get(name)
         if relay is None:
-            cls = self.registry.resolve("relay", name)
+            # The caller's edges use a relay omni-core owns, whatever plugins are disabled.
+            cls = InlineRelay if name == CALLER_RELAY else self.registry.resolve("relay", name)
             options = relay_options(self.config.relay, name)
             for stage in self.stages:  # a stage's relay options apply to its own edges' relay
                 own = self.config.stage(stage).relay
@@ -91,7 +94,11 @@ class Edges:
         ``inline`` beside them, in one message."""
         metrics.relay_bytes(relay_name, self.process, target, sum(t.numel() * t.element_size() for t in tensors))
         relay = self.relay(relay_name)
-        devices = relay.capabilities.devices
+        devices = self._devices.get(relay_name)
+        if devices is None:  # what it can move: its registration's word, else its class's
+            entry = self.registry.get("relay", relay_name) if relay_name != CALLER_RELAY else None
+            declared = getattr(entry, "capabilities", None) if entry is not None else None
+            devices = self._devices[relay_name] = (as_capabilities(declared) if declared else relay.capabilities).devices
         fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
         if len(fits) == len(tensors):
             transfer = await relay.put(rid, tensors, target)

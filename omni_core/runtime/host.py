@@ -122,8 +122,7 @@ class Host:
         factory runs, so stage code can use collectives directly."""
         import torch.distributed as dist
 
-        backend = "gloo" if self.spec.gpu is None else "nccl"
-        dist.init_process_group(backend, init_method=self.tp_init_method, rank=self.spec.tp_rank, world_size=self.spec.tp_size)
+        dist.init_process_group(self.spec.tp_backend, init_method=self.tp_init_method, rank=self.spec.tp_rank, world_size=self.spec.tp_size)
 
     def build_stages(self) -> None:
         if self.spec.tp_size > 1:
