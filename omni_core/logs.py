@@ -60,6 +60,21 @@ def _dispatch(logger: object, method: str, event_dict: dict) -> dict:
     return event_dict
 
 
+class _StderrLogger:
+    """Writes each rendered line to the *current* ``sys.stderr`` (a test harness or a server may
+    swap it), and never raises: a log line must not break the code that logs it."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
+def _stderr_logger(*_: object) -> _StderrLogger:
+    return _StderrLogger()
+
+
 def configure_logging(level: str | int | None = None, *, json: bool | None = None, force: bool = False) -> None:
     """Configure structlog and the stdlib root logger (idempotent unless ``force``).
 
@@ -90,7 +105,7 @@ def configure_logging(level: str | int | None = None, *, json: bool | None = Non
         # Events below info never reach a processor: per-request debug events cost nothing
         # unless asked for.
         wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=force)

@@ -79,7 +79,7 @@ def test_pipelines_and_plugins_describe_the_server(client):
     assert [(p["name"], p["stages"], p["terminal_stages"], p["ready"]) for p in pipelines] == \
         [("words", ["shout", "words"], ["words"], True)]
     plugins = {p["name"]: p for p in client.get("/v1/plugins").json()}
-    assert plugins["relays"]["builtin"] and "shm" in plugins["relays"]["registered"]["relay"]
+    assert plugins["omni.relays"]["builtin"] and "shm" in plugins["omni.relays"]["registered"]["relay"]
 
 
 def test_a_json_request_returns_the_result_with_its_id(client):
