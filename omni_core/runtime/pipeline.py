@@ -158,15 +158,17 @@ class Pipeline:
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
         os.chmod(self.runtime_dir, 0o700)
-        self.addresses = dict(endpoints(plan, self.runtime_dir))
+        launcher_cls = registry.resolve("launcher", cfg.launcher.name)
+        self.launcher = launcher_cls(dict(cfg.launcher.options))
+        plan, views = self._place(plan)
+        self.plan = plan
+        self.addresses = views[""]
         self._zctx = zmq.Context(io_threads=1)
         self.inbox = Inbox(self._zctx, self.addresses[""], self._on_message, name="coordinator")
         self.inbox.start()
         self.outbox = Outbox(self._zctx)
         stateful_stages = {s.name for s in cfg.stages if s.wait_for or any(s.name in o.stream_to for o in cfg.stages)}
         self._stateful = [p.name for p in plan.leaders() if stateful_stages & set(p.stages)]
-        launcher_cls = registry.resolve("launcher", cfg.launcher.name)
-        self.launcher = launcher_cls(dict(cfg.launcher.options))
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
         edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
         config_data = to_dict(cfg)
@@ -177,7 +179,7 @@ class Pipeline:
                 runtime_dir=self.runtime_dir,
                 config=config_data,
                 process=spec,
-                addresses=self.addresses,
+                addresses=views[spec.name],
                 routes=routes,
                 edge_relays=edge_relays,
                 env=env,
@@ -189,6 +191,18 @@ class Pipeline:
         for name in self.boots:
             self._launch(name)
         await self._wait_ready(list(self.boots), deadline)
+
+    def _place(self, plan: Plan) -> tuple[Plan, dict[str, dict[str, str]]]:
+        """The plan as launched, and the address map of the coordinator (``""``) and of each
+        process. ipc for all with a launcher that runs everything on this
+        machine; a launcher with ``prepare`` (one that spans machines) places the processes,
+        binds tcp inboxes where a sender is on another node, and returns the plan with the edges
+        that cross nodes marked (and their relays chosen for it) plus each process's view."""
+        prepare = getattr(self.launcher, "prepare", None)
+        if prepare is not None:
+            return prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
+        addresses = dict(endpoints(plan, self.runtime_dir))
+        return plan, dict.fromkeys(["", *(p.name for p in plan.processes)], addresses)
 
     def _launch(self, name: str) -> None:
         self._ready[name] = self._loop.create_future()
@@ -297,23 +311,24 @@ class Pipeline:
         if self.handles.get(name) is not handle:
             return
         code = handle.exitcode
+        reason = handle.describe_exit() if hasattr(handle, "describe_exit") else None  # e.g. Ray's cause and node
         stages = self.boots[name].process.stages
         ready = self._ready.get(name)
         if ready is not None and not ready.done():
-            how = _signal_name(code) or f"exit code {code}"
+            how = reason or _signal_name(code) or f"exit code {code}"
             ready.set_exception(StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name))
             return
         if self._state not in ("running",):
             return
-        self.log.error("stage process died", process=name, pid=handle.pid, exitcode=code)
+        self.log.error("stage process died", process=name, pid=handle.pid, exitcode=code, reason=reason)
         for req in list(self.requests.values()):
-            self._finish(req, error=ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=_signal_name(code), request_id=req.request_id, stages=stages))
+            self._finish(req, error=ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=_signal_name(code), request_id=req.request_id, stages=stages, reason=reason))
         policy = self.config.restart
         if policy.policy == "on-failure" and self._restarts < policy.max_restarts:
             self._restarts += 1
             self._loop.create_task(self._restart(name))
         else:
-            self._closed_reason = ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=_signal_name(code), stages=stages)
+            self._closed_reason = ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=_signal_name(code), stages=stages, reason=reason)
             self._loop.create_task(self.stop())
 
     async def _restart(self, name: str) -> None:
