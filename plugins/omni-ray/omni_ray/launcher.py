@@ -379,7 +379,7 @@ class RayLauncher:
             late = [refs[r] for r in pending]
             wanted = "; ".join(f"{n}: {attrs.asdict(self.slots[n].request)}" for n in late)
             raise StartupError(
-                f"Ray did not place process(es) {', '.join(late)} within limits.startup_timeout ({self.timeout:g} s): "
+                f"Ray did not place process(es) {', '.join(map(repr, late))} within limits.startup_timeout ({self.timeout:g} s): "
                 f"no node has the resources they ask for ({wanted}); check 'ray status' and the stages' launch: mappings"
             )
         for ref in ready:

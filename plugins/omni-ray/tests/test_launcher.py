@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -102,3 +103,148 @@ async def wait_until_async(predicate, timeout=30.0):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("timed out")
         await asyncio.sleep(0.02)
+
+
+def test_restart_on_failure_recreates_the_actor_on_its_node_at_its_addresses(cluster):
+    cfg = three_nodes(restart={"policy": "on-failure", "max_restarts": 1})
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            first = await p.submit({"x": torch.ones(4)})
+            old_pid, address = p.pids()["b"], p.addresses["b"]
+            os.kill(old_pid, signal.SIGKILL)
+            await wait_until_async(lambda: p.pids()["b"] != old_pid and p.running, 60)
+            await wait_until_async(lambda: p.handles["b"].exitcode is None and p._ready["b"].done(), 60)
+            second = await p.submit({"x": torch.ones(4)})
+            assert torch.equal(first["x"], second["x"])
+            hop = {h[0]: h for h in second["hops"]}["b"]
+            assert hop[1] == cluster.node_ids["node_a"] and hop[2] == p.pids()["b"] != old_pid
+            assert p.addresses["b"] == address
+
+    arun(body())
+
+
+def test_a_tp_stage_runs_its_ranks_in_one_placement_group_over_gloo(cluster):
+    cfg = {
+        "name": "tp",
+        "launcher": "ray",
+        "stages": [stage("t", "TpSum", tp_size=2, terminal=True, launch={"resources": {"node_b": 1}})],
+    }
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            slots = p.launcher.slots
+            assert slots["t.0"].pg is not None and slots["t.0"].pg is slots["t.1"].pg
+            assert slots["t.0"].where["node"] == slots["t.1"].where["node"] == cluster.node_ids["node_b"]
+            result = await p.submit({"x": torch.ones(3)})
+            assert result["world"] == 2 and torch.equal(result["x"], torch.full((3,), 3.0))
+
+    arun(body())
+
+
+def test_unschedulable_stage_fails_start_naming_it_and_leaves_no_actor(cluster):
+    from omni_core.errors import StartupError
+
+    cfg = three_nodes(limits={"startup_timeout": 15})
+    cfg["stages"][2]["launch"] = {"resources": {"node_c": 1}}
+
+    async def body():
+        with pytest.raises(StartupError, match="'c'.*node_c"):
+            async with Pipeline(cfg):
+                pass
+
+    arun(body())
+
+
+# -- CurveZMQ ------------------------------------------------------------------------------------------
+
+
+def _attacker(address, curve_server_key=None):
+    """A PUSH socket to ``address`` without the run's client keys (a random key pair when the
+    server key is known, else plain tcp), and a monitor of its handshake."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key is not None:
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve_server_key, public, secret
+    monitor = sock.get_monitor_socket()
+    sock.connect(address)
+    return sock, monitor
+
+
+def _handshake_refused(monitor, timeout=20.0):
+    """Wait for the peer to refuse the handshake (a monitor event, not a sleep)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    failed = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
+    poller = zmq.Poller()
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if poller.poll(100):
+            event = recv_monitor_message(monitor)["event"]
+            assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, "a client without the run's key completed the handshake"
+            if event in failed:
+                return event
+    raise AssertionError("no handshake failure seen")
+
+
+def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
+    from omni_core.relay.payload import pack
+    from omni_core.runtime import wire
+
+    cfg = three_nodes()
+    cfg["stages"][2]["factory"] = "ray_test_stages:Sleep"
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            keys = p.launcher.keys
+            task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 3}))
+            await wait_until_async(lambda: p.requests)
+            rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
+            skeleton, _ = pack({"x": "forged"})
+            forged = [(p.addresses["b"], wire.Shutdown()), (p.addresses["c"], wire.Shutdown()),
+                      (p.addresses["b"], wire.Data("work", 99, "evil", "b", "", skeleton)),
+                      (p.launcher.tcp[""], wire.Data("result", rid, request_id, "c", "c", skeleton))]
+            for server_key in (None, keys.server_public):  # plain tcp; Curve with a key of its own
+                for address, msg in forged:
+                    sock, monitor = _attacker(address, server_key)
+                    sock.send(wire.encode(msg), zmq_noblock())
+                    await asyncio.to_thread(_handshake_refused, monitor)
+                    sock.disable_monitor()
+                    monitor.close(0)
+                    sock.close(0)
+            real = await task
+            assert real["x"].tolist() == [4.0, 4.0]  # a and b doubled it; nothing forged got in
+            assert all(h.exitcode is None for h in p.handles.values())
+            again = await p.submit({"x": torch.ones(2), "sleep": 0})
+            assert again["x"].tolist() == [4.0, 4.0]
+
+            # The same forged result sent with the run's keys does change the answer: the check
+            # above can fail.
+            task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 30}))
+            await wait_until_async(lambda: p.requests)
+            rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
+            import zmq
+
+            insider = zmq.Context.instance().socket(zmq.PUSH)
+            insider.setsockopt(zmq.LINGER, 0)
+            insider.curve_serverkey, insider.curve_publickey, insider.curve_secretkey = (
+                keys.server_public, keys.client_public, keys.client_secret)
+            insider.connect(p.launcher.tcp[""])
+            insider.send(wire.encode(wire.Data("result", rid, request_id, "c", "c", skeleton)))
+            assert (await task) == {"x": "forged"}
+            insider.close(0)
+
+    arun(body())
+
+
+def zmq_noblock():
+    import zmq
+
+    return zmq.NOBLOCK
