@@ -116,6 +116,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     loads: tuple[GpuLoad, ...] = ()
     simulated: bool = False
+    #: Process name (``""``: the coordinator) → node, once a multi-node launcher placed them.
+    nodes: dict[str, str] = attrs.field(factory=dict)
 
     def process(self, name: str) -> ProcessSpec:
         for proc in self.processes:
@@ -437,8 +439,9 @@ def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) 
 
 
 def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> Plan:
-    """``plan`` once its processes are on ``nodes`` (process name → node): every edge between
-    processes on different nodes is marked and takes :func:`cross_node_relay`."""
+    """``plan`` once its processes are on ``nodes`` (process name → node; ``""`` the
+    coordinator's): every edge between processes on different nodes is marked and takes
+    :func:`cross_node_relay`."""
     edges = []
     for edge in plan.edges:
         ends = {nodes[p] for p in plan.processes_of(edge.src) + plan.processes_of(edge.dst)}
@@ -447,4 +450,4 @@ def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> 
             continue
         relay = cross_node_relay(plan.config, plan.config.stage(edge.src), registry)
         edges.append(attrs.evolve(edge, relay=relay, crosses_nodes=True))
-    return attrs.evolve(plan, edges=tuple(edges))
+    return attrs.evolve(plan, edges=tuple(edges), nodes=dict(nodes))

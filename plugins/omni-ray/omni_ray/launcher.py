@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-
 from omni_core.errors import ConfigError, ConfigIssue, StartupError
 from omni_core.runtime.channel import CurveKeys, bind_inbox, forget_trust, release_inboxes, trust
 
@@ -267,11 +266,8 @@ class RayLauncher:
             raise ConfigError(f"launcher.options.placement_strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         import ray
 
+        self.options = options
         self._owns_ray = False
-        if not ray.is_initialized():
-            ray.init(address=options.get("address"), namespace=options.get("namespace", "omni"),
-                     runtime_env=options.get("runtime_env"), log_to_driver=True)
-            self._owns_ray = True
         self.keys = CurveKeys.generate()
         self.slots: dict[str, _Slot] = {}
         self.handles: list[RayHandle] = []
@@ -286,10 +282,31 @@ class RayLauncher:
         self.timeout = 120.0
         self._actor_cls = ray.remote(max_restarts=0, max_concurrency=1)(StageActor)
 
+    @staticmethod
+    def plan_nodes(plan: Any, cluster: str | Mapping[str, Any] | None = None) -> Any:
+        """``plan`` with the node of every process and the edges that cross nodes, from a
+        described inventory (``cluster``: a ``cluster.yaml`` path or mapping; else
+        ``placement.options.cluster``; else this machine as the only node). Starts nothing: what
+        ``omni plan --launcher ray [--cluster cluster.yaml]`` shows."""
+        from omni_core.plan.topology import place_on_nodes
+        from omni_core.plugins import get_registry
+
+        from .placement import Inventory, Node, assign_nodes, load_inventory
+
+        cluster = cluster if cluster is not None else plan.config.placement.options.get("cluster")
+        if cluster is None:  # one node, sized for the plan like the local Ray the launcher starts
+            inventory = Inventory((Node("local", float("inf"), len(plan.devices)),), "local")
+        else:
+            inventory = load_inventory(cluster)
+        return place_on_nodes(plan, assign_nodes(plan, inventory), get_registry())
+
     # -- placement ---------------------------------------------------------------------------------
 
     def _options(self, name: str, slot: _Slot, *, node: str | None = None) -> dict[str, Any]:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
 
         req = slot.request
         opts: dict[str, Any] = {"num_cpus": req.num_cpus, "num_gpus": req.num_gpus, "name": f"omni:{self.run_id}:{name}"}
@@ -338,19 +355,21 @@ class RayLauncher:
         edges that cross nodes marked (relays chosen for them) and every process's view of the
         addresses (see the module docstring)."""
         import ray
-
         from omni_core.plan.topology import endpoint_views, endpoints, place_on_nodes, tcp_receivers
         from omni_core.plugins import get_registry
 
+        self._connect(plan)
         self.run_id, self.runtime_dir = run_id, runtime_dir
         self.timeout = plan.config.limits.startup_timeout
         self.host = endpoints_cfg.host
         self.port_range = tuple(endpoints_cfg.port_range) if endpoints_cfg.port_range else None
         pgs = self._placement_groups(plan)
+        pinned = self._pinned_nodes(plan)
         for spec in plan.processes:
             slot = _Slot(None, actor_request(plan, spec))
             slot.pg, slot.bundle = pgs.get(spec.name, (None, 0))
-            slot.actor = self._actor_cls.options(**self._options(spec.name, slot)).remote(spec.name, self.keys)
+            options = self._options(spec.name, slot, node=pinned.get(spec.name))
+            slot.actor = self._actor_cls.options(**options).remote(spec.name, self.keys)
             self.slots[spec.name] = slot
         self._wait_scheduled(list(self.slots))
         nodes = {"": ray.get_runtime_context().get_node_id(), **{n: s.where["node"] for n, s in self.slots.items()}}
@@ -368,6 +387,35 @@ class RayLauncher:
         trust(list(self.tcp.values()), self.keys)
         self.nodes = nodes
         return plan, endpoint_views(plan, runtime_dir, nodes, self.tcp)
+
+    def _connect(self, plan: Any) -> None:
+        """Connect to the cluster (``address``), or start a local Ray with enough logical CPUs for
+        the plan (``address: null``); keep a connection this process already has."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = self.options.get("address")
+        extra = {}
+        if address is None:
+            need = sum(actor_request(plan, spec).num_cpus for spec in plan.processes)
+            extra = {"num_cpus": max(float(os.cpu_count() or 1), need), "include_dashboard": False}
+        ray.init(address=address, namespace=self.options.get("namespace", "omni"),
+                 runtime_env=self.options.get("runtime_env"), **extra)
+        self._owns_ray = True
+
+    @staticmethod
+    def _pinned_nodes(plan: Any) -> dict[str, str]:
+        """Under placement ``ray``: process name → Ray node id from the live cluster's inventory
+        (:func:`omni_ray.placement.assign_nodes`); the actors are pinned there. Otherwise Ray's
+        scheduler chooses within each stage's ``launch:`` request."""
+        if plan.config.placement.strategy != "ray":
+            return {}
+        from .placement import assign_nodes, live_inventory
+
+        inventory = live_inventory()
+        ids = {n.name: n.node_id for n in inventory.nodes}
+        return {name: ids[node] for name, node in assign_nodes(plan, inventory).items() if name}
 
     def _wait_scheduled(self, names: list[str]) -> None:
         """Wait until Ray placed the actors of ``names`` (their ``where`` answered)."""

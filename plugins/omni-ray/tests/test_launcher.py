@@ -10,8 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import live_actors, wait_until
-
+from conftest import live_actors
 from omni_core import Pipeline, ProcessDied
 from omni_core.testing.leaks import runtime_dirs
 
