@@ -124,6 +124,23 @@ class ProcessDied(RequestError):
         )
 
 
+class ProcessHung(ProcessDied):
+    """A stage process stopped answering heartbeats for ``limits.heartbeat_timeout`` (stopped
+    with SIGSTOP, or wedged so that not even its heartbeat thread runs): it was killed, and the
+    requests it held fail with this error."""
+
+    def __init__(self, *, process: str, pid: int | None, silent_for: float, request_id: str | None = None,
+                 stages: tuple[str, ...] = ()):
+        self.silent_for = silent_for
+        super().__init__(process=process, pid=pid, signal="SIGKILL", request_id=request_id, stages=stages)
+        hosted = f" (stages: {', '.join(stages)})" if stages else ""
+        what = f"request {request_id!r} failed: " if request_id else ""
+        self.args = (
+            f"{what}process {process!r}{hosted} pid {pid} hung: no heartbeat for {silent_for:.1f} s "
+            "(limits.heartbeat_timeout); it was killed",
+        )
+
+
 class Overloaded(RequestError):
     """The pipeline is at its admission limit (``limits.max_in_flight``); retry later."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omni_core.config.schema import RelayConfig
-from omni_core.runtime.host import relay_options
+from omni_core.runtime.edges import relay_options
 
 
 def test_a_forced_backend_gets_its_options():

@@ -55,13 +55,14 @@ def test_chunks_before_the_payload_are_buffered_when_allowed():
     assert events[-1].data == {"streamed": "early", "payload": {"text": "early"}}
 
 
-def test_chunks_before_the_payload_fail_the_request_with_a_hint_when_not_allowed():
+def test_chunks_before_the_payload_are_held_until_it_arrives_without_the_flag():
+    # tok streams its whole output, then sends collect its payload: every chunk comes first
     cfg = pipeline(
         stage("tok", "Tokens", stream_to=["collect"], next="collect"),
         stage("collect", "Collect", args={"source": "tok"}, terminal=True),
     )
-    with pytest.raises(StageError, match="can_accept_stream_before_payload"):
-        arun(_stream(cfg, {"text": "x"}))
+    events = arun(_stream(cfg, {"text": "held"}))
+    assert events[-1].data == {"streamed": "held", "payload": {"text": "held"}}
 
 
 def test_stream_done_to_fn_chooses_who_gets_the_end_signal():

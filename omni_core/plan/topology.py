@@ -29,6 +29,9 @@ from .placement import (
 #: The pseudo-relay of edges inside one process: payloads pass as Python objects.
 OBJECT_RELAY = "object"
 
+#: The address a process is given for a peer on another node it never sends to (zmq refuses it).
+UNREACHABLE = "unreachable://"
+
 
 @attrs.frozen
 class ProcessSpec:
@@ -372,8 +375,8 @@ def endpoints(plan: Plan, runtime_dir: str) -> Mapping[str, str]:
 def senders(plan: Plan) -> dict[str, set[str]]:
     """Who sends control messages to whom: receiver → the processes (``""``: the coordinator)
     that may send to it. The coordinator talks to every process and hears from every process;
-    a stage's process sends to the leaders hosting the stages its edges reach; a TP leader and
-    its followers talk both ways."""
+    the processes at the two ends of an edge talk both ways (payloads and chunks one way,
+    stream credits back); a TP leader and its followers talk both ways."""
     out: dict[str, set[str]] = {"": {p.name for p in plan.processes}}
     for proc in plan.processes:
         out[proc.name] = {""}
@@ -381,7 +384,10 @@ def senders(plan: Plan) -> dict[str, set[str]]:
         if edge.local:
             continue
         for dst in plan.processes_of(edge.dst):
-            out[dst].update(src for src in plan.processes_of(edge.src) if src != dst)
+            for src in plan.processes_of(edge.src):
+                if src != dst:
+                    out[dst].add(src)
+                    out[src].add(dst)
     for proc in plan.processes:
         if proc.leader is not None:
             out[proc.name].add(proc.leader)
@@ -410,8 +416,8 @@ def endpoint_views(plan: Plan, runtime_dir: str, nodes: Mapping[str, str],
             elif name in tcp:
                 view[name] = tcp[name]
             else:
-                # This viewer never sends to it (it is not among its senders): no address.
-                continue
+                # This viewer never sends to it (see senders()): an address that fails loudly if used.
+                view[name] = f"{UNREACHABLE}{name}"
         views[viewer] = view
     return views
 

@@ -113,9 +113,7 @@ class Outbox:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.SNDHWM, 10_000)
-            if address.startswith("tcp://"):
-                _curve_client(sock, address)
-            sock.connect(address)
+            connect(sock, address)
             self._socks[address] = sock
         return sock
 
@@ -316,6 +314,13 @@ def forget_trust(keys: CurveKeys) -> None:
         for address in [a for a, k in _trusted.items() if k is keys or k == keys]:
             del _trusted[address]
         _domains.pop(keys.domain, None)
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    """Connect ``sock`` to ``address``; a tcp address with the run's CurveZMQ client keys."""
+    if address.startswith("tcp://"):
+        _curve_client(sock, address)
+    sock.connect(address)
 
 
 def _curve_client(sock: zmq.Socket, address: str) -> None:

@@ -3,56 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from .flow import StreamBuffer, StreamClosed, StreamStalled
+
+__all__ = ["StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
+
 if TYPE_CHECKING:  # pragma: no cover
     from .stage import StageRuntime
-
-
-class StreamClosed(Exception):
-    """A stream could not be read (its buffer overflowed, or it is not declared)."""
-
-
-class StreamBuffer:
-    """Chunks one source stage streamed to this stage for one request, until its end signal.
-
-    Bounded: more than ``limit`` unread chunks is an error for the request, never unbounded
-    memory."""
-
-    __slots__ = ("chunks", "ended", "event", "limit", "overflowed")
-
-    def __init__(self, limit: int):
-        self.chunks: deque = deque()
-        self.ended = False
-        self.overflowed = False
-        self.event = asyncio.Event()
-        self.limit = limit
-
-    def put(self, chunk: Any) -> bool:
-        if len(self.chunks) >= self.limit:
-            self.overflowed = True
-            self.event.set()
-            return False
-        self.chunks.append(chunk)
-        self.event.set()
-        return True
-
-    def end(self) -> None:
-        self.ended = True
-        self.event.set()
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        while True:
-            while self.chunks:
-                yield self.chunks.popleft()
-            if self.overflowed:
-                raise StreamClosed(f"more than {self.limit} unread chunks (limits.stream_buffer)")
-            if self.ended:
-                return
-            self.event.clear()
-            await self.event.wait()
 
 
 class StageContext:
@@ -60,7 +19,8 @@ class StageContext:
 
     - ``request_id``: the caller's id for this request; ``stage_name``: this stage.
     - ``await ctx.emit(chunk)``: stream a chunk to this stage's ``stream_to`` stages and, when
-      this stage is terminal, to the caller (``Pipeline.stream``).
+      this stage is terminal, to the caller (``Pipeline.stream``). It waits while a reader holds
+      ``limits.stream_buffer`` unread chunks of this stream (flow control).
     - ``ctx.stream_from(stage)``: async iterator over the chunks ``stage`` streams to this one,
       ending when that stage signals the end of its stream.
     - ``ctx.aborted``: True once the request was aborted (sync stages running in a worker thread

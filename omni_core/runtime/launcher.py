@@ -32,10 +32,11 @@ import os
 from typing import Any, Protocol
 
 from ..errors import ConfigError
-from .host import Bootstrap, main
+from .child import main
+from .types import Bootstrap
 
 #: Modules the forkserver imports once, so each stage process starts without paying for them.
-PRELOAD = ["torch", "omni_core.runtime.host"]
+PRELOAD = ["torch", "omni_core.runtime.child"]
 
 
 class ProcessHandle(Protocol):

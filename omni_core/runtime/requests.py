@@ -1,4 +1,4 @@
-"""The coordinator's table of requests in flight, and when a request is complete.
+"""The coordinator's table entries for requests in flight, and when a request is complete.
 
 A request is complete when every terminal stage expected to answer has answered. Expected starts
 as the per-request terminal set (``terminal_stages_fn``, else every terminal stage); when a stage
@@ -41,9 +41,12 @@ class Request:
     results: dict[str, Any] = attrs.Factory(dict)
     dropped: set[tuple[str, str]] = attrs.Factory(set)
     dead: set[str] = attrs.Factory(set)
+    #: streamed requests: (event, origin process) until the caller reads them; None at the end
     events: asyncio.Queue | None = None
     timer: asyncio.TimerHandle | None = None
     last_dropper: str | None = None
+    #: stream credits read but not yet given back, per (stage, origin process)
+    owed: dict[tuple[str, str], int] = attrs.Factory(dict)
 
     @property
     def complete(self) -> bool:

@@ -1,17 +1,17 @@
 """One stage inside its host process: runs requests concurrently and applies the stage's wiring.
 
 Per request the stage receives a payload (or, for a fan-in stage, one per source until its
-``wait_for`` set is complete), calls the user's stage object, and hands the result to the host,
-which routes it. Stream chunks for the request are buffered per source stage. Everything a request
-holds here (task, fan-in parts, buffered chunks, relay buffers) is freed when it ends, however it
-ends.
+``wait_for`` set is complete), calls the user's stage object, and hands the result to the host's
+router. Stream chunks for the request are buffered per source stage, with credits (see
+:mod:`.flow`): chunks that arrive before the payload wait for it; chunks that arrive after the
+call returned are dropped. Everything a request holds here (task, fan-in parts, buffered chunks,
+relay buffers) is freed when it ends, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -19,32 +19,18 @@ import attrs
 
 from ..config.schema import StageConfig
 from ..errors import PluginError
-from .context import StageContext, StreamBuffer, StreamClosed
+from .context import StageContext
+from .flow import Grant, StreamBuffer, StreamClosed
+from .types import Inbound, StageFunctions, WiringError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
 
-
-class WiringError(Exception):
-    """A user function broke its contract (returned an unknown stage, a wrong type, ...)."""
+__all__ = ["Inbound", "StageFunctions", "StageRuntime", "WiringError"]
 
 
-@attrs.define
-class Inbound:
-    """What a request brought into this stage: relay buffers to release when the call is done,
-    and the storages of tensors that view relay memory (copied out if the result keeps them)."""
-
-    releases: list[Callable[[], None]] = attrs.Factory(list)
-    storages: set[int] = attrs.Factory(set)
-
-    def merge(self, other: Inbound) -> None:
-        self.releases += other.releases
-        self.storages |= other.storages
-
-    def release(self) -> None:
-        releases, self.releases = self.releases, []
-        for release in releases:
-            release()
+class StageCancelled(Exception):
+    """The stage's own code raised ``asyncio.CancelledError`` (not an abort of the request)."""
 
 
 @attrs.define
@@ -53,17 +39,6 @@ class _FanIn:
     needed: list[str] | None = None
     started: bool = False
     inbound: Inbound = attrs.Factory(Inbound)
-
-
-@attrs.define
-class StageFunctions:
-    """The stage's resolved wiring functions (None where the config sets none)."""
-
-    route: Callable | None = None
-    merge: Callable | None = None
-    wait_for: Callable | None = None
-    stream_done: Callable | None = None
-    project: dict[str, Callable] = attrs.Factory(dict)
 
 
 def _is_async_callable(obj: Any) -> bool:
@@ -92,15 +67,20 @@ class StageRuntime:
         self.contexts: dict[int, StageContext] = {}
         self.fan_in: dict[int, _FanIn] = {}
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
-        self.stream_inbound: dict[int, Inbound] = {}
+        self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
+
+    def state(self) -> dict[str, int]:
+        prefix = f"stage.{self.name}."
+        return {prefix + "running": len(self.running), prefix + "fan_in": len(self.fan_in),
+                prefix + "streams": len(self.streams), prefix + "finished": len(self.finished)}
 
     # -- arrivals ------------------------------------------------------------------------------
 
     def on_payload(self, rid: int, request_id: str, src: str, payload: Any, inbound: Inbound) -> None:
         """A payload for request ``rid`` arrived from ``src`` (``""``: the caller)."""
         if not self.cfg.wait_for:
-            if rid in self.running:
+            if rid in self.running or rid in self.finished:
                 inbound.release()
                 self.host.fail(rid, self.name, WiringError(f"stage {self.name!r} received a second payload for the request (from {src!r})"))
                 return
@@ -119,7 +99,7 @@ class StageRuntime:
             if not all(name in state.arrived for name in needed):
                 return
             merged = self.fns.merge({name: state.arrived[name] for name in needed})
-        except Exception as exc:
+        except BaseException as exc:  # noqa: B902 - user code: fail the request, keep serving
             self._drop_fan_in(rid)
             self.host.fail(rid, self.name, exc)
             return
@@ -141,38 +121,39 @@ class StageRuntime:
             )
         return names
 
-    def on_chunk(self, rid: int, src: str, chunk: Any, inbound: Inbound) -> None:
-        """A stream chunk from ``src`` arrived for request ``rid``."""
+    def on_chunk(self, rid: int, src: str, chunk: Any, inbound: Inbound | None, grant: Grant | None) -> None:
+        """A stream chunk from ``src`` arrived for request ``rid``. ``grant`` gives its credit
+        back to the producer once read (None on a TP follower: its leader's reads do)."""
         if src not in self.streaming_sources:
-            inbound.release()
+            if inbound is not None:
+                inbound.release()
             self.host.fail(rid, self.name, WiringError(f"stage {src!r} streamed to {self.name!r} but it is not in its stream_to"))
             return
-        if rid not in self.running and not self.cfg.can_accept_stream_before_payload:
-            inbound.release()
-            self.host.fail(rid, self.name, WiringError(
-                f"stage {self.name!r} received a stream chunk from {src!r} before its payload; set "
-                f"'can_accept_stream_before_payload: true' on stage {self.name!r} to buffer such chunks"
-            ))
+        if rid in self.finished:  # the call here already returned: it reads no more
+            if inbound is not None:
+                inbound.release()
+            if grant is not None:
+                grant(1, True)
             return
-        self.stream_inbound.setdefault(rid, Inbound()).merge(inbound)
-        if not self._buffer(rid, src).put(chunk):
-            self.host.fail(rid, self.name, StreamClosed(
-                f"stage {self.name!r} has more than {self.stream_buffer} unread chunks from {src!r} "
-                "(limits.stream_buffer); read them with ctx.stream_from() or raise the limit"
-            ))
+        buf = self._buffer(rid, src)
+        if buf.grant is None and not self.follower:
+            buf.grant = grant
+        buf.put(chunk, inbound)
 
     def on_stream_end(self, rid: int, src: str) -> None:
-        if rid in self.running or self.cfg.can_accept_stream_before_payload:
+        if rid not in self.finished:
             self._buffer(rid, src).end()
 
     def _buffer(self, rid: int, src: str) -> StreamBuffer:
-        per_request = self.streams.setdefault(rid, {})
+        per_request = self.streams.get(rid)
+        if per_request is None:
+            per_request = self.streams[rid] = {}
         buf = per_request.get(src)
         if buf is None:
             buf = per_request[src] = StreamBuffer(self.stream_buffer)
         return buf
 
-    def stream_from(self, rid: int, src: str) -> AsyncIterator[Any]:
+    def stream_from(self, rid: int, src: str):
         if src not in self.streaming_sources:
             known = ", ".join(sorted(self.streaming_sources)) or "none"
             raise StreamClosed(f"stage {self.name!r} cannot stream_from({src!r}): that stage does not stream to it (sources: {known})")
@@ -190,23 +171,26 @@ class StageRuntime:
             async with self.sem:
                 result = await self._call(payload, ctx)
                 del payload
-                stream_inbound = self.stream_inbound.get(rid)
-                if stream_inbound is not None:
-                    inbound.merge(stream_inbound)
+                if self.streaming_sources:
+                    self.finished.add(rid)
+                storages = inbound.storages | self._stream_storages(rid)
+                if storages and not self.follower:
+                    result = self.host.edges.copy_out(result, storages)
+                self._close_streams(rid)
                 if self.follower:  # only the TP leader's result goes downstream
                     return
-                if inbound.storages:
-                    result = self.host.copy_out(result, inbound.storages)
-                await self.host.finish(self, rid, request_id, result)
+                await self.host.router.finish(self, rid, request_id, result)
         except asyncio.CancelledError:
-            ctx._aborted = True
-        except Exception as exc:
+            if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
+                self.host.fail(rid, self.name, StageCancelled(
+                    f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
+        except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
             self.contexts.pop(rid, None)
             self.running.pop(rid, None)
-            self._drop_streams(rid)
+            self._close_streams(rid)
 
     async def _call(self, payload: Any, ctx: StageContext) -> Any:
         if self.is_async:
@@ -221,7 +205,7 @@ class StageRuntime:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
-            await self.host.emit(self, rid, request_id, chunk)
+            await self.host.router.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
 
@@ -233,6 +217,7 @@ class StageRuntime:
         task = self.running.get(rid)
         if task is not None:
             task.cancel()
+        self.finished.discard(rid)
         self._drop_fan_in(rid)
         self._drop_streams(rid)
 
@@ -241,11 +226,22 @@ class StageRuntime:
         if state is not None:
             state.inbound.release()
 
+    def _stream_storages(self, rid: int) -> set:
+        """Relay memory the request's unreleased stream chunks still view."""
+        out: set = set()
+        for buf in self.streams.get(rid, {}).values():
+            out |= buf.storages()
+        return out
+
+    def _close_streams(self, rid: int) -> None:
+        """The call ended: its streams read no more (the producers are told)."""
+        for buf in self.streams.pop(rid, {}).values():
+            buf.close()
+
     def _drop_streams(self, rid: int) -> None:
-        self.streams.pop(rid, None)
-        inbound = self.stream_inbound.pop(rid, None)
-        if inbound is not None:
-            inbound.release()
+        for buf in self.streams.pop(rid, {}).values():
+            buf.grant = None  # the request is over everywhere: nobody to tell
+            buf.close()
 
     async def close(self) -> None:
         for rid in list(self.running):
@@ -254,6 +250,8 @@ class StageRuntime:
             await asyncio.wait(list(self.running.values()), timeout=2)
         for rid in list(self.fan_in):
             self._drop_fan_in(rid)
+        for rid in list(self.streams):
+            self._drop_streams(rid)
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         closer = getattr(self.obj, "close", None)

@@ -4,6 +4,9 @@ Every message travels as one zmq multipart message: the encoded struct first, th
 tensor frames for relays that move data inline. Requests are identified on the wire by ``rid``, an
 integer unique for the lifetime of a pipeline run; the caller's ``request_id`` string rides along
 for logs, stage contexts and user functions, and may be reused once its request ended.
+
+Ordering: a receiver handles the messages of one request in the order they were sent, whether or
+not they carry tensors (see :mod:`omni_core.runtime.ordered`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import msgspec
 class Data(msgspec.Struct, tag="d", array_like=True):
     """A payload or a stream chunk: ``kind`` is ``work`` (payload for ``stage``), ``chunk``
     (stream chunk for ``stage``), ``result`` (a terminal stage's result, to the coordinator) or
-    ``event`` (a chunk a terminal stage emitted for the caller)."""
+    ``event`` (a chunk a terminal stage emitted for the caller). ``origin`` is the sending
+    process (``""``: the coordinator), where stream credits go back to."""
 
     kind: str
     rid: int
@@ -25,6 +29,7 @@ class Data(msgspec.Struct, tag="d", array_like=True):
     relay: str = ""
     handle: bytes = b""
     nframes: int = 0
+    origin: str = ""
 
 
 class StreamEnd(msgspec.Struct, tag="e", array_like=True):
@@ -33,6 +38,18 @@ class StreamEnd(msgspec.Struct, tag="e", array_like=True):
     rid: int
     stage: str
     src: str
+
+
+class Credit(msgspec.Struct, tag="c", array_like=True):
+    """The reader of the stream ``src`` → ``stage`` of request ``rid`` consumed ``n`` chunks
+    (to the process that sent them). ``closed``: the reader will read no more (its call ended):
+    the sender stops sending that stream."""
+
+    rid: int
+    stage: str
+    src: str
+    n: int
+    closed: bool = False
 
 
 class Failed(msgspec.Struct, tag="f", array_like=True):
@@ -55,15 +72,19 @@ class Dropped(msgspec.Struct, tag="x", array_like=True):
 
 
 class Abort(msgspec.Struct, tag="a", array_like=True):
-    """Cancel request ``rid`` everywhere and free what it holds."""
+    """Cancel request ``rid`` everywhere and free what it holds. ``floor``: every request below
+    it has ended (late messages for them are dropped, and their memory of having ended too)."""
 
     rid: int
+    floor: int = 0
 
 
 class Forget(msgspec.Struct, tag="g", array_like=True):
-    """Request ``rid`` ended normally: drop leftover state (buffered chunks, partial fan-in)."""
+    """Request ``rid`` ended normally: drop leftover state (buffered chunks, partial fan-in).
+    ``rid`` 0 only moves ``floor`` (see ``Abort``)."""
 
     rid: int
+    floor: int = 0
 
 
 class Ready(msgspec.Struct, tag="y", array_like=True):
@@ -82,6 +103,30 @@ class StartFailed(msgspec.Struct, tag="z", array_like=True):
     traceback: str
 
 
+class Heartbeat(msgspec.Struct, tag="h", array_like=True):
+    """A process is alive (sent by a thread of its own every ``limits.heartbeat_interval``,
+    whatever its event loop does). ``loop_lag``: seconds its event loop has been unresponsive."""
+
+    process: str
+    pid: int
+    generation: int
+    loop_lag: float = 0.0
+
+
+class StateQuery(msgspec.Struct, tag="q", array_like=True):
+    """Ask a process for its per-request state (answered with ``StateReport``)."""
+
+    token: int
+
+
+class StateReport(msgspec.Struct, tag="r", array_like=True):
+    """How much per-request state a process holds: table name → entries."""
+
+    token: int
+    process: str
+    state: dict[str, int]
+
+
 class Shutdown(msgspec.Struct, tag="s", array_like=True):
     """Stop serving, free everything, answer with Bye."""
 
@@ -92,7 +137,8 @@ class Bye(msgspec.Struct, tag="b", array_like=True):
     process: str
 
 
-Message = Data | StreamEnd | Failed | Dropped | Abort | Forget | Ready | StartFailed | Shutdown | Bye
+Message = (Data | StreamEnd | Credit | Failed | Dropped | Abort | Forget | Ready | StartFailed | Heartbeat
+           | StateQuery | StateReport | Shutdown | Bye)
 
 encode = msgspec.msgpack.Encoder().encode
 _decoder = msgspec.msgpack.Decoder(Message)

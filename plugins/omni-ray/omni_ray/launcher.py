@@ -10,7 +10,7 @@ Who owns what:
   tcp (a sender on another node) on the node itself: the port is chosen by binding, so there is no
   race. It returns each process's view of the addresses (ipc to peers on its node, tcp to others).
 - :meth:`RayLauncher.start` hands the process's ``Bootstrap`` to its actor, whose ``run`` calls
-  the stage host (``omni_core.runtime.host.main``) on the actor's main thread. The handle watches
+  the stage host (``omni_core.runtime.child.main``) on the actor's main thread. The handle watches
   that call: it ends when the host returns, or fails when Ray declares the actor dead (its
   process killed, ``ray.kill``, its node gone); the handle's sentinel becomes readable at once.
 - CurveZMQ keys are generated per run in the driver and reach the actors as constructor
@@ -122,7 +122,7 @@ class StageActor:
 
     def run(self, boot: Any) -> int:
         """Run the stage host; its exit status."""
-        from omni_core.runtime.host import main
+        from omni_core.runtime.child import main
 
         trust(list(boot.addresses.values()), self.keys)
         try:
@@ -156,6 +156,11 @@ def _short(node: str) -> str:
 
 def _ray_reason(exc: BaseException) -> str:
     """Ray's explanation of an actor death, condensed to what a user needs."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):  # the actor's call raised: say what
+        cause = exc.cause
+        return f"the actor's run raised {type(cause).__name__}: {cause}"
     text = str(getattr(exc, "error_msg", "") or exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     keep = [lines[0]] if lines else [type(exc).__name__]

@@ -75,13 +75,14 @@ def test_a_group_that_fits_nowhere_names_its_stage():
 
 def test_tcp_only_where_a_sender_is_on_another_node_and_views_use_ipc_on_the_node():
     plan = plan_of(config(st("a", next="b"), st("b", next="c"), st("c", terminal=True)))
-    nodes = {"": "n0", "a": "n0", "b": "n1", "c": "n1"}
+    nodes = {"": "n0", "a": "n0", "b": "n0", "c": "n1"}
     need = tcp_receivers(plan, nodes)
-    assert need == {"", "b", "c"}  # a hears only from the coordinator, on its node
+    assert need == {"", "b", "c"}  # c sends results and credits to b and the coordinator; a hears only from n0
     views = endpoint_views(plan, "/run", nodes, {n: f"tcp://h:{i}" for i, n in enumerate(sorted(need))})
-    assert views["b"]["c"].startswith("ipc://") and views["b"][""].startswith("tcp://")
-    assert views[""]["a"].startswith("ipc://") and views[""]["b"].startswith("tcp://")
-    assert "a" not in views["c"]  # c never sends to a
+    assert views["a"]["b"].startswith("ipc://") and views["b"]["c"].startswith("tcp://")
+    assert views["c"]["b"].startswith("tcp://") and views["c"][""].startswith("tcp://")
+    assert views[""]["a"].startswith("ipc://") and views[""]["c"].startswith("tcp://")
+    assert views["c"]["a"].startswith("unreachable://")  # c never sends to a
 
 
 def test_cross_node_edges_take_inline_and_a_forced_node_relay_is_refused():

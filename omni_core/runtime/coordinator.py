@@ -1,0 +1,356 @@
+"""The coordinator (parent process): admission, the request table, results, streams, aborts.
+
+Requests enter through :meth:`Coordinator.submit` or :meth:`Coordinator.stream`. Admission is
+bounded (``limits.max_in_flight``: one more fails at once with ``Overloaded``); while the runner
+restarts a process group, new requests wait for it (bounded by ``limits.request_timeout``) and
+fail with ``PipelineClosed`` if the pipeline stops instead. Results and the chunks terminal
+stages emit for the caller are handled in the order they were sent, per request; a streaming
+caller gives each chunk's credit back as it reads it, so a terminal stage never runs more than
+``limits.stream_buffer`` chunks ahead of its reader. When a request ends, however it ends, every
+process that may hold state for it is told (``Forget`` on success to the processes with
+per-request state, ``Abort`` to all on failure), with the *floor*: every request below it has
+ended, so processes drop late messages and their memory of ended requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..config.schema import PipelineConfig
+from ..errors import (
+    OmniError,
+    Overloaded,
+    PipelineClosed,
+    RequestAborted,
+    RequestTimeout,
+    StageError,
+)
+from ..logs import get_logger
+from ..plan.topology import Plan
+from ..registry import Registry
+from ..relay.base import Relay, RelayContext
+from ..relay.payload import pack, unpack
+from . import wire
+from .ordered import OrderedDelivery
+from .requests import Event, Graph, Request
+from .types import CALLER_RELAY
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runner import Runner
+
+
+class Coordinator:
+    """Requests in flight of one running pipeline."""
+
+    def __init__(self, config: PipelineConfig, registry: Registry, runner: Runner):
+        self.config = config
+        self.registry = registry
+        self.runner = runner
+        self.log = get_logger(pipeline=config.name)
+        self.requests: dict[int, Request] = {}  # in rid order: the first is the oldest in flight
+        self.by_id: dict[str, int] = {}
+        self.ordered = OrderedDelivery()
+        self.graph = Graph(config)
+        self._next_rid = 1
+        self._terminal_fn = None
+        self._stateful: list[str] = []
+        self._uses: dict[str, list[list[str]]] = {}
+        self._relay: Relay | None = None
+        self._batch = max(1, config.limits.stream_buffer // 4)
+        self._behind: set[str] = set()  # processes that may remember ended requests
+
+    def bind(self, plan: Plan) -> None:
+        """Learn the plan: which processes keep per-request state, and which ones a request may
+        use (requests are spread over replicas by rid, the same way every process routes)."""
+        cfg = self.config
+        if cfg.terminal_stages_fn:
+            self._terminal_fn = self.registry.resolve("terminal_stages", cfg.terminal_stages_fn)
+        stateful_stages = {s.name for s in cfg.stages if s.wait_for or any(s.name in o.stream_to for o in cfg.stages)}
+        self._stateful = [p.name for p in plan.leaders() if stateful_stages & set(p.stages)]
+        followers: dict[str, list[str]] = {}
+        for proc in plan.processes:
+            if proc.leader is not None:
+                followers.setdefault(proc.leader, []).append(proc.name)
+        for stage in cfg.stages:
+            self._uses[stage.name] = [[leader, *followers.get(leader, [])] for leader in plan.processes_of(stage.name)]
+
+    def processes_of(self, rid: int) -> set[str]:
+        """Every process request ``rid`` may use."""
+        out: set[str] = set()
+        for replicas in self._uses.values():
+            out.update(replicas[rid % len(replicas)])
+        return out
+
+    # -- admission -------------------------------------------------------------------------------
+
+    async def _admit(self, inputs: Any, request_id: str | None, streaming: bool) -> Request:
+        runner = self.runner
+        if runner.state == "restarting":
+            await runner.wait_running(self.config.limits.request_timeout)
+        if runner.state != "running":
+            reason = f": {runner.closed_reason}" if runner.closed_reason else ""
+            raise PipelineClosed(f"pipeline {self.config.name!r} is not running ({runner.state}){reason}")
+        if len(self.requests) >= self.config.limits.max_in_flight:
+            raise Overloaded(
+                f"pipeline {self.config.name!r} has {len(self.requests)} requests in flight "
+                f"(limits.max_in_flight); retry later", request_id=request_id)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self.by_id:
+            raise ValueError(f"request id {request_id!r} is already in flight; ids can be reused once their request ended")
+        expected = set(self.config.terminal_stages)
+        rid = self._next_rid
+        if request_id is None:
+            request_id = f"req-{rid}"
+        if self._terminal_fn is not None:
+            expected = self._terminals_for(inputs, request_id)
+        self._next_rid += 1
+        loop = asyncio.get_running_loop()
+        req = Request(rid, request_id, loop.create_future(), expected, multi=len(expected) > 1,
+                      events=asyncio.Queue() if streaming else None)
+        self.requests[rid] = req
+        self.by_id[request_id] = rid
+        timeout = self.config.limits.request_timeout
+        if timeout:
+            req.timer = loop.call_later(timeout, self._on_timeout, req)
+        return req
+
+    def _terminals_for(self, inputs: Any, request_id: str) -> set[str]:
+        fn_name = self.config.terminal_stages_fn
+        terminals = self.config.terminal_stages
+        try:
+            answer = self._terminal_fn(inputs)
+        except Exception as exc:
+            raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id, error_type=type(exc).__name__,
+                             traceback="".join(traceback.format_exception(exc))) from None
+        if answer is None:
+            return set(terminals)
+        names = [answer] if isinstance(answer, str) else list(answer)
+        bad = [n for n in names if n not in terminals]
+        if bad or not names:
+            raise StageError(f"terminal_stages_fn {fn_name!r} returned {answer!r}; expected a non-empty subset of {terminals}",
+                             stage="terminal_stages_fn", request_id=request_id, error_type="WiringError")
+        return set(names)
+
+    def _on_timeout(self, req: Request) -> None:
+        self.finish(req, error=RequestTimeout(
+            f"request {req.request_id!r} took longer than limits.request_timeout ({self.config.limits.request_timeout:g} s)",
+            request_id=req.request_id))
+
+    def _caller_relay(self) -> Relay:
+        """The relay of the caller's edges (inputs in, results and events out)."""
+        if self._relay is None:
+            cls = self.registry.resolve("relay", CALLER_RELAY)
+            self._relay = cls(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
+        return self._relay
+
+    async def _send_inputs(self, req: Request, inputs: Any) -> None:
+        runner = self.runner
+        entry = self.config.entry
+        leaders = self._uses[entry][req.rid % len(self._uses[entry])]
+        address = runner.addresses[leaders[0]]
+        skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
+        if tensors:
+            transfer = await self._caller_relay().put(req.rid, tensors, leaders[0])
+            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames))
+            await runner.outbox.send(address, msg, transfer.frames)
+        else:
+            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton))
+
+    # -- the caller's API ------------------------------------------------------------------------
+
+    async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
+        req = await self._admit(inputs, request_id, streaming=False)
+        try:
+            await self._send_inputs(req, inputs)
+            return await req.future
+        except asyncio.CancelledError:
+            self.finish(req, error=RequestAborted(f"request {req.request_id!r} was cancelled by the caller", request_id=req.request_id))
+            raise
+        except BaseException as exc:
+            if req.rid in self.requests:  # the inputs could not be sent
+                self.finish(req, error=exc if isinstance(exc, OmniError) else StageError(
+                    f"cannot send the inputs: {exc}", stage=self.config.entry, request_id=req.request_id,
+                    error_type=type(exc).__name__))
+            raise
+
+    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Event]:
+        req = await self._admit(inputs, request_id, streaming=True)
+        try:
+            try:
+                await self._send_inputs(req, inputs)
+            except BaseException as exc:
+                if req.rid in self.requests and not isinstance(exc, asyncio.CancelledError):
+                    self.finish(req, error=exc if isinstance(exc, OmniError) else StageError(
+                        f"cannot send the inputs: {exc}", stage=self.config.entry, request_id=req.request_id,
+                        error_type=type(exc).__name__))
+                raise
+            while True:
+                item = await req.events.get()
+                if item is None:
+                    break
+                event, origin = item
+                self._read(req, event.stage, origin, req.events.empty())
+                yield event
+            yield Event("result", None if req.multi else next(iter(req.expected), None), await req.future)
+        finally:
+            if req.rid in self.requests:
+                self.finish(req, error=RequestAborted(f"request {req.request_id!r} was abandoned by the caller", request_id=req.request_id))
+            if req.future.done() and not req.future.cancelled():
+                req.future.exception()  # retrieved: no "never retrieved" warning
+
+    def abort(self, request_id: str) -> bool:
+        rid = self.by_id.get(request_id)
+        req = self.requests.get(rid) if rid is not None else None
+        if req is None:
+            return False
+        self.finish(req, error=RequestAborted(f"request {request_id!r} was aborted", request_id=request_id))
+        return True
+
+    def _read(self, req: Request, stage: str, origin: str, caught_up: bool) -> None:
+        """The caller consumed one chunk of ``stage``'s stream: its credit goes back (batched)."""
+        key = (stage, origin)
+        owed = req.owed.get(key, 0) + 1
+        if owed >= self._batch or caught_up:
+            req.owed[key] = 0
+            address = self.runner.addresses.get(origin)
+            if address is not None and req.rid in self.requests:
+                self.runner.outbox.post(address, wire.Credit(req.rid, "", stage, owed))
+        else:
+            req.owed[key] = owed
+
+    # -- messages from stage processes -----------------------------------------------------------
+
+    def on_message(self, msg: wire.Message, frames: list) -> None:
+        rid = msg.rid
+        if rid not in self.requests:
+            return
+        if isinstance(msg, wire.Data):
+            if msg.relay:
+                self.ordered.wait(rid, lambda: self._receive(msg, frames))
+            else:
+                self.ordered.run(rid, lambda: self._decoded(msg, []))
+        elif isinstance(msg, wire.Failed):
+            self.ordered.run(rid, lambda: self._failed(msg))
+        elif isinstance(msg, wire.Dropped):
+            self.ordered.run(rid, lambda: self._dropped(msg))
+
+    async def _receive(self, msg: wire.Data, frames: list) -> None:
+        req = self.requests.get(msg.rid)
+        if req is None:
+            return
+        try:
+            if msg.relay != CALLER_RELAY:
+                raise ValueError(f"results must come through the {CALLER_RELAY!r} relay, not {msg.relay!r}")
+            if msg.nframes != len(frames):
+                raise ValueError(f"the message announced {msg.nframes} frames and carried {len(frames)}")
+            tensors = await self._caller_relay().get(msg.handle, [f.buffer for f in frames])
+        except Exception as exc:
+            self.finish(req, error=StageError(f"cannot decode the result: {exc}", stage=msg.src, request_id=req.request_id, error_type=type(exc).__name__))
+            return
+        self._decoded(msg, tensors)
+
+    def _decoded(self, msg: wire.Data, tensors: list) -> None:
+        req = self.requests.get(msg.rid)
+        if req is None:
+            return
+        try:
+            payload = unpack(msg.skeleton, tensors, allow_pickle=self.config.allow_pickle)
+        except Exception as exc:
+            self.finish(req, error=StageError(f"cannot decode the result: {exc}", stage=msg.src, request_id=req.request_id, error_type=type(exc).__name__))
+            return
+        if msg.kind == "result":
+            if msg.stage in req.expected or (not req.expected and not req.results):
+                req.results[msg.stage] = payload
+            self._maybe_complete(req)
+        elif msg.kind == "event":
+            if req.events is not None:
+                req.events.put_nowait((Event("chunk", msg.stage, payload), msg.origin))
+            else:  # nobody reads chunks of a submitted request: their credit comes back at once
+                self._read(req, msg.stage, msg.origin, False)
+        else:
+            self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
+
+    def _failed(self, msg: wire.Failed) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:
+            self.finish(req, error=StageError(msg.message, stage=msg.stage, request_id=req.request_id, error_type=msg.error_type, traceback=msg.traceback))
+
+    def _dropped(self, msg: wire.Dropped) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:
+            self.graph.mark_dropped(req, msg.stage, msg.targets)
+            self._maybe_complete(req)
+
+    def _maybe_complete(self, req: Request) -> None:
+        if not req.complete:
+            return
+        if not req.results:
+            self.finish(req, error=StageError(
+                "routing skipped every terminal stage, so the request produced no result",
+                stage=req.last_dropper or "?", request_id=req.request_id, error_type="NoResult"))
+            return
+        self.finish(req, value=req.value())
+
+    # -- ending ------------------------------------------------------------------------------------
+
+    @property
+    def floor(self) -> int:
+        """Every request below it has ended."""
+        return next(iter(self.requests), self._next_rid)
+
+    def finish(self, req: Request, *, value: Any = None, error: BaseException | None = None) -> None:
+        if self.requests.pop(req.rid, None) is None:
+            return
+        if self.by_id.get(req.request_id) == req.rid:
+            del self.by_id[req.request_id]
+        self.ordered.drop(req.rid)
+        if req.timer is not None:
+            req.timer.cancel()
+        floor = self.floor
+        behind = floor < self._next_rid  # some requests are still in flight
+        if error is not None:
+            self.runner.broadcast(wire.Abort(req.rid, floor))
+            self._behind = set(self.runner.addresses) if behind else set()
+            if not req.future.done():
+                req.future.set_exception(error)
+        else:
+            if self._stateful:
+                self.runner.broadcast(wire.Forget(req.rid, floor), self._stateful)
+                if behind:
+                    self._behind.update(self._stateful)
+                else:
+                    self._behind.difference_update(self._stateful)
+            if not req.future.done():
+                req.future.set_result(value)
+        if not self.requests and self._behind:
+            # Idle: every process that may remember ended requests can forget them now.
+            self.runner.broadcast(wire.Forget(0, floor), [n for n in self._behind if n])
+            self._behind = set()
+        if req.events is not None:
+            req.events.put_nowait(None)
+
+    def fail_where(self, processes: set[str], error: Callable[[Request], BaseException]) -> int:
+        """Fail every request that may use one of ``processes``; returns how many."""
+        hit = [req for rid, req in self.requests.items() if self.processes_of(rid) & processes]
+        for req in hit:
+            self.finish(req, error=error(req))
+        return len(hit)
+
+    def fail_all(self, error: Callable[[Request], BaseException]) -> None:
+        for req in list(self.requests.values()):
+            self.finish(req, error=error(req))
+
+    async def drain(self, deadline: float) -> None:
+        """Wait for the requests in flight, until ``deadline`` (monotonic)."""
+        pending = [r.future for r in self.requests.values()]
+        timeout = deadline - time.monotonic()
+        if pending and timeout > 0:
+            await asyncio.wait(pending, timeout=timeout)
+
+    def state(self) -> dict[str, int]:
+        return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.ordered)}

@@ -1,0 +1,210 @@
+"""The stage process's edges: relay instances, tensors in and out, and received memory's lifetime.
+
+``Edges`` owns one instance per relay backend this process uses, puts a packed payload's tensors
+through an edge's relay (a payload mixing devices the relay cannot all move is split: the rest
+goes ``inline`` beside it, one message either way) and gets them back on the receiving side,
+recording what must be released when the receiver is done (:class:`~.types.Inbound`).
+
+Received tensors may view relay memory that the relay will reuse once released. Two rules keep
+that safe: a stage's result (or a forwarded payload) that still views such memory is copied out
+before the release (:meth:`Edges.copy_out`), and a stream chunk's tensors are copied out on
+arrival when small (its relay credit comes back at once) or released when the reader has moved
+past the chunk when large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from ..config.schema import PipelineConfig
+from ..logs import get_logger
+from ..registry import Registry
+from ..relay.base import Relay, RelayContext
+from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
+
+#: A stream chunk whose tensors hold at most this many bytes is copied out of the relay on
+#: arrival (its relay memory is free at once); a larger one is a view until the reader moves on.
+CHUNK_COPY_BYTES = 1 << 20
+
+
+class _Split(msgspec.Struct, array_like=True):
+    relays: list[str]
+    handles: list[bytes]
+    counts: list[int]
+    index: list[list[int]]
+
+
+_encode_split = msgspec.msgpack.Encoder().encode
+_decode_split = msgspec.msgpack.Decoder(_Split).decode
+
+
+def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
+    """The options of relay ``name`` in a ``relay:`` config: its ``options`` when it names that
+    backend; under ``auto``, the ``options`` entry named after the relay (``{shm: {slots: 8}}``)."""
+    if relay_cfg.backend == name:
+        return dict(relay_cfg.options)
+    if relay_cfg.backend == "auto" and isinstance(relay_cfg.options.get(name), dict):
+        return dict(relay_cfg.options[name])
+    return {}
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return tensor.device.type, tensor.untyped_storage().data_ptr()
+
+
+class Edges:
+    """Relay instances of one process and the tensors that cross its edges."""
+
+    def __init__(self, *, config: PipelineConfig, registry: Registry, run_id: str, process: str,
+                 runtime_dir: str, stages: tuple[str, ...], addresses: Mapping[str, str]):
+        self.config = config
+        self.registry = registry
+        self.run_id = run_id
+        self.process = process
+        self.runtime_dir = runtime_dir
+        self.stages = stages
+        self.relays: dict[str, Relay] = {}
+        self.log = get_logger(pipeline=config.name, process=process)
+        self._process_of = {address: (name or "coordinator") for name, address in addresses.items()}
+
+    def relay(self, name: str) -> Relay:
+        relay = self.relays.get(name)
+        if relay is None:
+            cls = self.registry.resolve("relay", name)
+            options = relay_options(self.config.relay, name)
+            for stage in self.stages:  # a stage's relay options apply to its own edges' relay
+                own = self.config.stage(stage).relay
+                if own is not None:
+                    options.update(relay_options(own, name))
+            relay = self.relays[name] = cls(RelayContext(self.run_id, self.process, self.runtime_dir, options))
+        return relay
+
+    def process_of(self, address: str) -> str:
+        return self._process_of.get(address, address)
+
+    # -- out ------------------------------------------------------------------------------------
+
+    async def put(self, relay_name: str, rid: int, tensors: list, target: str) -> tuple[str, bytes, list]:
+        """Put ``tensors`` through the edge's relay: ``(wire relay name, handle, frames)``.
+        Tensors on a device that relay cannot move (CPU tensors on a GPU-only relay) go through
+        ``inline`` beside them, in one message."""
+        relay = self.relay(relay_name)
+        devices = relay.capabilities.devices
+        fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
+        if len(fits) == len(tensors):
+            transfer = await relay.put(rid, tensors, target)
+            return relay_name, transfer.handle, list(transfer.frames)
+        fitting = set(fits)
+        rest = [i for i in range(len(tensors)) if i not in fitting]
+        split = _Split([], [], [], [])
+        frames: list = []
+        for name, index in ((relay_name, fits), (CALLER_RELAY, rest)):
+            if not index:
+                continue
+            transfer = await self.relay(name).put(rid, [tensors[i] for i in index], target)
+            split.relays.append(name)
+            split.handles.append(transfer.handle)
+            split.counts.append(len(transfer.frames))
+            split.index.append(index)
+            frames += transfer.frames
+        return SPLIT_RELAY, _encode_split(split), frames
+
+    # -- in -------------------------------------------------------------------------------------
+
+    async def get(self, relay_name: str, handle: bytes, frames: list) -> tuple[list, Inbound]:
+        """The tensors of a received message, and what to release when the receiver is done."""
+        inbound = Inbound()
+        try:
+            if relay_name != SPLIT_RELAY:
+                return await self._get_one(relay_name, handle, frames, inbound), inbound
+            split = _decode_split(handle)
+            total = sum(len(index) for index in split.index)
+            if sum(split.counts) != len(frames) or sorted(i for index in split.index for i in index) != list(range(total)):
+                raise ValueError("malformed split handle: its frame counts or tensor indices do not add up")
+            tensors: list = [None] * total
+            start = 0
+            for name, sub, count, index in zip(split.relays, split.handles, split.counts, split.index, strict=True):
+                part = await self._get_one(name, sub, frames[start:start + count], inbound)
+                start += count
+                if len(part) != len(index):
+                    raise ValueError(f"relay {name!r} returned {len(part)} tensors for {len(index)}")
+                for i, tensor in zip(index, part, strict=True):
+                    tensors[i] = tensor
+            return tensors, inbound
+        except BaseException:
+            inbound.release()
+            raise
+
+    async def _get_one(self, relay_name: str, handle: bytes, frames: list, inbound: Inbound) -> list:
+        if relay_name == SPLIT_RELAY:
+            raise ValueError("a split handle cannot nest another split")
+        relay = self.relay(relay_name)
+        tensors = await relay.get(handle, frames)
+        if type(relay).release is not Relay.release:
+            inbound.releases.append(lambda: relay.release(handle))
+            inbound.storages |= {_storage_key(t) for t in tensors if t.numel()}
+        return tensors
+
+    @staticmethod
+    def detach_chunk(tensors: list, inbound: Inbound) -> Inbound | None:
+        """A small chunk's tensors are copied out of relay memory, which is released at once
+        (None returned); a large chunk keeps its views and its ``inbound`` (returned)."""
+        if not inbound:
+            return None
+        if sum(t.numel() * t.element_size() for t in tensors) > CHUNK_COPY_BYTES:
+            return inbound
+        for i, tensor in enumerate(tensors):
+            if tensor.numel() and _storage_key(tensor) in inbound.storages:
+                tensors[i] = tensor.clone()
+        inbound.release()
+        return None
+
+    @staticmethod
+    def copy_out(result: Any, storages: set) -> Any:
+        """``result`` with every tensor that views relay memory about to be released cloned
+        (on its own device). Containers are rebuilt only where something was cloned."""
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return obj.clone() if obj.numel() and _storage_key(obj) in storages else obj
+            if isinstance(obj, dict):
+                out = {k: walk(v) for k, v in obj.items()}
+                return obj if all(out[k] is v for k, v in obj.items()) else out
+            if isinstance(obj, (list, tuple)):
+                out = [walk(v) for v in obj]
+                if all(a is b for a, b in zip(out, obj, strict=True)):
+                    return obj
+                return out if isinstance(obj, list) else tuple(out)
+            return obj
+
+        return walk(result)
+
+    # -- end ------------------------------------------------------------------------------------
+
+    def cleanup(self, rid: int) -> None:
+        for relay in self.relays.values():
+            try:
+                relay.cleanup(rid)
+            except Exception:
+                self.log.exception("relay cleanup failed", relay=relay.name)
+
+    def close(self) -> None:
+        for relay in self.relays.values():
+            try:
+                relay.close()
+            except Exception:
+                self.log.exception("relay close failed", relay=relay.name)
+
+    def state(self) -> dict[str, int]:
+        """Per-request entries the relays hold (for ``Pipeline.debug_state``)."""
+        out: dict[str, int] = {}
+        for name, relay in self.relays.items():
+            report = getattr(relay, "debug_state", None)
+            if callable(report):
+                for key, value in report().items():
+                    out[f"relay.{name}.{key}"] = int(value)
+        return out

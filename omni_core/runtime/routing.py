@@ -1,0 +1,159 @@
+"""Where a stage's outputs go: route functions, per-target projections, fan-out, streams.
+
+``Router.finish`` hands a finished call's result on (to the caller when the stage is terminal, to
+``next``, and the end of its streams); ``Router.emit`` sends a stream chunk to every ``stream_to``
+stage and, for a terminal stage, to the caller, taking one credit of each stream's window first
+(:mod:`.flow`). Targets in this process get objects; the others get the payload packed once and
+relayed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..plan.topology import OBJECT_RELAY
+from ..relay.payload import pack
+from . import wire
+from .flow import Windows
+from .types import ALL_TARGETS, CALLER_RELAY, Inbound, WiringError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .host import Host
+    from .stage import StageRuntime
+
+#: The consumer name of the caller's stream in a window key.
+CALLER = ""
+
+
+def target_names(answer: Any, allowed: tuple[str, ...], what: str) -> list[str]:
+    """Normalise a route/stream_done answer to a list of names from ``allowed``."""
+    if answer == ALL_TARGETS:
+        return list(allowed)
+    names = [answer] if isinstance(answer, str) else answer
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise WiringError(f"{what} returned {answer!r}; expected a stage name or a list of names from {list(allowed)}")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise WiringError(f"{what} returned {unknown} which {'is' if len(unknown) == 1 else 'are'} not in {list(allowed)}")
+    return list(dict.fromkeys(names))
+
+
+class Router:
+    """Sends what the stages of one process produce."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        boot = host.boot
+        self.edge_relays = boot.edge_relays
+        self.coordinator = boot.addresses[""]
+        self.allow_pickle = host.config.allow_pickle
+        self.windows = Windows(host.config.limits.stream_buffer)
+        self.stall_timeout = host.config.limits.stream_stall_timeout
+        self._addresses_of = {stage: [boot.addresses[p] for p in procs] for stage, procs in boot.routes.items()}
+
+    def address(self, stage: str, rid: int) -> str:
+        addrs = self._addresses_of[stage]
+        return addrs[rid % len(addrs)] if len(addrs) > 1 else addrs[0]
+
+    async def send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
+                        address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
+        host = self.host
+        if tensors:
+            relay_name, handle, frames = await host.edges.put(relay_name, rid, tensors, host.edges.process_of(address))
+            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames), host.name)
+            await host.outbox.send(address, msg, frames)
+        else:
+            fut = host.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, origin=host.name))
+            if fut is not None:
+                await fut
+
+    async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
+                       targets: list[str], payloads: Mapping[str, Any]) -> None:
+        """Send each target its payload: objects to stages of this process (a private copy for
+        all but the last), packed once and relayed to the others."""
+        edge_kind = "next" if kind == "work" else "stream"
+        local = [t for t in targets if self.edge_relays[(stage.name, t, edge_kind)] == OBJECT_RELAY]
+        remote = [t for t in targets if t not in local]
+        packed: dict[int, tuple[bytes, list]] = {}
+        for target in remote:
+            payload = payloads[target]
+            if id(payload) not in packed:
+                packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
+            skeleton, tensors = packed[id(payload)]
+            await self.send_data(kind, rid, request_id, stage.name, target, self.address(target, rid),
+                                 self.edge_relays[(stage.name, target, edge_kind)], skeleton, tensors)
+        stages = self.host.stages
+        for i, target in enumerate(local):
+            payload = payloads[target]
+            shared = any(payloads[t] is payload for t in local[i + 1:])
+            obj = copy.deepcopy(payload) if shared else payload
+            if kind == "work":
+                stages[target].on_payload(rid, request_id, stage.name, obj, Inbound())
+            else:
+                window = self.windows.get(rid, stage.name, target)
+                stages[target].on_chunk(rid, stage.name, obj, None, window.grant)
+
+    async def finish(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
+        """Hand a finished call's result on. Every user function (route, projections,
+        stream_done) runs before anything is sent, so a failing one fails the request without
+        half of its outputs already downstream. Then: the result to the coordinator when the
+        stage is terminal, the payloads to ``next``, the end of its streams."""
+        cfg = stage.cfg
+        fns = stage.fns
+        targets = list(cfg.next)
+        if fns.route is not None:
+            targets = target_names(fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
+        project = fns.project
+        payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else dict.fromkeys(targets, result)
+        done_to = list(cfg.stream_to)
+        if cfg.stream_to and fns.stream_done is not None:
+            answer = fns.stream_done(request_id, result)
+            done_to = [] if answer is None else target_names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
+        host = self.host
+        if cfg.terminal:
+            skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
+            await self.send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+        if fns.route is not None:
+            dropped = [t for t in cfg.next if t not in targets]
+            if dropped:
+                await host.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
+        if targets:
+            await self._deliver("work", stage, rid, request_id, targets, payloads)
+        for target in done_to:
+            if self.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
+                host.stages[target].on_stream_end(rid, cfg.name)
+            else:
+                await host.outbox.send(self.address(target, rid), wire.StreamEnd(rid, target, cfg.name))
+        self.windows.drop(rid, cfg.name)
+
+    async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
+        """A chunk goes to every ``stream_to`` stage and, when the stage is terminal, to the
+        caller too; each consumer's window gives a credit first (waiting for one if needed)."""
+        cfg = stage.cfg
+        if not cfg.stream_to and not cfg.terminal:
+            raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
+        targets = []
+        for target in cfg.stream_to:
+            if await self._credit(rid, cfg.name, target):
+                targets.append(target)
+        if targets:
+            await self._deliver("chunk", stage, rid, request_id, targets, dict.fromkeys(targets, chunk))
+        if cfg.terminal and await self._credit(rid, cfg.name, CALLER):
+            skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
+            await self.send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+
+    async def _credit(self, rid: int, src: str, dst: str) -> bool:
+        window = self.windows.get(rid, src, dst)
+        if window.credits > 0 and not window.closed:
+            window.credits -= 1
+            return True
+        reader = "the caller" if dst == CALLER else f"stage {dst!r}"
+        return await window.acquire(self.stall_timeout, lambda: f"the stream from stage {src!r} to {reader}")
+
+    def on_credit(self, msg: wire.Credit) -> None:
+        self.windows.grant(msg.rid, msg.src, msg.stage, msg.n, msg.closed)
+
+    def forget(self, rid: int) -> None:
+        self.windows.drop(rid)

@@ -1,0 +1,513 @@
+"""The runner (parent process): runtime dir, launch, readiness, supervision, teardown.
+
+Supervision is an explicit state machine::
+
+    new → starting → running ⇄ restarting → stopping → stopped
+
+Every process death is handled in every state: while starting it fails the start (after cleaning
+up); while running or restarting it fails the requests that may use the dead process's group at
+once (``ProcessDied``, or ``ProcessHung`` when it stopped answering heartbeats and was killed),
+then the restart policy either restarts the whole process group (every rank of a TP stage, at a
+fresh rendezvous; at most ``restart.max_restarts`` times in a run) or stops the pipeline; while
+stopping or stopped it is expected. Deaths are seen within a second (the launcher's sentinel);
+a process that is alive but silent (SIGSTOP, wedged) within ``limits.heartbeat_timeout``, from
+heartbeats its own thread sends. ``stop()`` is bounded by ``limits.stop_timeout`` in total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..config import PipelineConfig, to_dict
+from ..errors import PipelineClosed, ProcessDied, ProcessHung, StartupError
+from ..logs import get_logger
+from ..plan.topology import OBJECT_RELAY, Plan, endpoints
+from ..registry import Registry
+from . import wire
+from .channel import Inbox, Outbox
+from .types import CALLER_RELAY, Bootstrap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .launcher import ProcessHandle
+
+RUNTIME_DIR_PREFIX = "omni-run-"
+
+STATES = ("new", "starting", "running", "restarting", "stopping", "stopped")
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return None
+
+
+def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) -> list[str]:
+    """Remove runtime directories of runs whose parent process is gone (after a SIGKILL).
+    ``dry_run``: only list them."""
+    base = base or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if not entry.name.startswith(RUNTIME_DIR_PREFIX) or not entry.is_dir():
+                continue
+            try:
+                pid = int(entry.name[len(RUNTIME_DIR_PREFIX):].split("-")[0])
+                os.kill(pid, 0)
+            except (ValueError, PermissionError):
+                continue
+            except ProcessLookupError:
+                if not dry_run:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+class Runner:
+    """Starts, supervises and stops the processes of one plan.
+
+    ``on_request_message(msg, frames)`` gets what concerns requests (data, failures, drops);
+    ``on_death(processes, make_error)`` fails the requests that may use those processes."""
+
+    def __init__(self, config: PipelineConfig, registry: Registry, *,
+                 on_request_message: Callable[[wire.Message, list], None],
+                 on_death: Callable[[set[str], Callable[[Any], BaseException]], int],
+                 on_stopping: Callable[[float], Any], on_stopped: Callable[[BaseException], None]):
+        self.config = config
+        self.registry = registry
+        self.log = get_logger(pipeline=config.name)
+        self._on_request_message = on_request_message
+        self._on_death = on_death
+        self._on_stopping = on_stopping
+        self._on_stopped = on_stopped
+        self.state = "new"
+        self.closed_reason: BaseException | None = None
+        self.plan: Plan | None = None
+        self.run_id = ""
+        self.runtime_dir: str | None = None
+        self.addresses: dict[str, str] = {}
+        self.handles: dict[str, ProcessHandle] = {}
+        self.boots: dict[str, Bootstrap] = {}
+        self.restarts = 0
+        self._ready: dict[str, asyncio.Future] = {}
+        self._byes: dict[str, asyncio.Future] = {}
+        self._heard: dict[str, float] = {}  # process → last heartbeat (monotonic), once ready
+        self._hung: dict[str, float] = {}  # process → silence when it was killed as hung
+        self._restarting: dict[str, asyncio.Task] = {}  # group leader → its restart
+        self._again: set[str] = set()  # groups to restart once more (a death during their restart)
+        self._running = asyncio.Event()
+        self._stop_task: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
+        self._reports: dict[int, tuple[asyncio.Future, dict[str, dict[str, int]], set[str]]] = {}
+        self._zctx = None
+        self.inbox: Inbox | None = None
+        self.outbox: Outbox | None = None
+        self.launcher = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.log.info("pipeline state", state=state, was=self.state)
+        self.state = state
+        if state == "running":
+            self._running.set()
+        else:
+            self._running.clear()
+
+    async def wait_running(self, timeout: float | None) -> None:
+        """Wait while a restart is under way (at most ``timeout`` seconds)."""
+        with contextlib.suppress(TimeoutError):
+            waiter = asyncio.ensure_future(self._running.wait())
+            stopping = asyncio.ensure_future(self._wait_state({"stopping", "stopped"}))
+            try:
+                await asyncio.wait_for(asyncio.wait({waiter, stopping}, return_when=asyncio.FIRST_COMPLETED), timeout)
+            finally:
+                waiter.cancel()
+                stopping.cancel()
+
+    async def _wait_state(self, states: set[str]) -> None:
+        while self.state not in states:
+            await asyncio.sleep(0.05)
+
+    def live(self, name: str) -> bool:
+        handle = self.handles.get(name)
+        return handle is not None and handle.exitcode is None
+
+    # -- start ------------------------------------------------------------------------------------
+
+    async def start(self, plan: Plan) -> None:
+        """Start every process and wait until all are ready; ``StartupError`` otherwise (after
+        cleaning up everything that was started)."""
+        if self.state != "new":
+            raise PipelineClosed(f"pipeline {self.config.name!r} was already started")
+        self._set_state("starting")
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._start(plan)
+        except BaseException:
+            await self._teardown(time.monotonic() + self.config.limits.stop_timeout)
+            self._set_state("stopped")
+            raise
+        self._set_state("running")
+        self._monitor = self._loop.create_task(self._watch_heartbeats())
+
+    async def _start(self, plan: Plan) -> None:
+        import zmq
+
+        cfg = self.config
+        self.plan = plan
+        base = cfg.endpoints.ipc_dir or tempfile.gettempdir()
+        sweep_stale_runtime_dirs(base)
+        for relay_name in {e.relay for e in plan.edges if e.relay != OBJECT_RELAY} | {CALLER_RELAY}:
+            with contextlib.suppress(Exception):
+                self.registry.resolve("relay", relay_name).sweep(None)
+        self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
+        os.chmod(self.runtime_dir, 0o700)
+        launcher_cls = self.registry.resolve("launcher", cfg.launcher.name)
+        self.launcher = launcher_cls(dict(cfg.launcher.options))
+        plan, views = self._place(plan)
+        self.plan = plan
+        self.addresses = views[""]
+        self._zctx = zmq.Context(io_threads=1)
+        self.inbox = Inbox(self._zctx, self.addresses[""], self._on_message, name="coordinator")
+        self.inbox.start()
+        self.outbox = Outbox(self._zctx)
+        routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
+        edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
+        config_data = to_dict(cfg)
+        for spec in plan.processes:
+            self.boots[spec.name] = Bootstrap(
+                run_id=self.run_id,
+                runtime_dir=self.runtime_dir,
+                config=config_data,
+                process=spec,
+                addresses=views[spec.name],
+                routes=routes,
+                edge_relays=edge_relays,
+                env=spec.environment(os.environ),
+                parent_pid=os.getpid(),
+                followers=tuple(p.name for p in plan.processes if p.leader == spec.name),
+                cwd=os.getcwd(),
+            )
+        for edge in plan.edges:
+            self.log.debug("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
+        deadline = time.monotonic() + cfg.limits.startup_timeout
+        for name in self.boots:
+            self._launch(name)
+        await self._wait_ready(list(self.boots), deadline)
+
+    def _place(self, plan: Plan) -> tuple[Plan, dict[str, dict[str, str]]]:
+        """The plan as launched, and the address map of the coordinator (``""``) and of each
+        process. ipc for all with a launcher that runs everything on this machine; a launcher
+        with ``prepare`` (one that spans machines) places the processes, binds tcp inboxes where
+        a sender is on another node, and returns the plan with the edges that cross nodes marked
+        (their relays chosen for it) plus each process's view."""
+        prepare = getattr(self.launcher, "prepare", None)
+        if prepare is not None:
+            return prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
+        addresses = dict(endpoints(plan, self.runtime_dir))
+        return plan, dict.fromkeys(["", *(p.name for p in plan.processes)], addresses)
+
+    def _launch(self, name: str) -> None:
+        self._ready[name] = self._loop.create_future()
+        self._heard.pop(name, None)
+        self._hung.pop(name, None)
+        handle = self.launcher.start(self.boots[name])
+        self.handles[name] = handle
+        self._loop.add_reader(handle.sentinel, self._on_exit, name, handle)
+        self.log.info("process started", process=name, pid=handle.pid, stages=list(self.boots[name].process.stages),
+                      device=self.boots[name].process.device, generation=self.boots[name].generation)
+
+    async def _wait_ready(self, names: list[str], deadline: float) -> None:
+        waiting = {self._ready[n]: n for n in names}
+        pending = set(waiting)
+        while pending:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                late = ", ".join(sorted(waiting[f] for f in pending))
+                raise StartupError(
+                    f"pipeline {self.config.name!r}: process(es) {late} not ready within "
+                    f"limits.startup_timeout ({self.config.limits.startup_timeout:g} s); raise it if stage "
+                    "construction (model loading) is slow"
+                )
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                fut.result()  # raises StartupError for a failed process
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def _on_message(self, msg: wire.Message, frames: list) -> None:
+        if isinstance(msg, (wire.Data, wire.Failed, wire.Dropped)):
+            self._on_request_message(msg, frames)
+        elif isinstance(msg, wire.Heartbeat):
+            boot = self.boots.get(msg.process)
+            if boot is not None and boot.generation == msg.generation and msg.process in self._heard:
+                self._heard[msg.process] = time.monotonic()
+        elif isinstance(msg, wire.Ready):
+            fut = self._ready.get(msg.process)
+            if fut is not None and not fut.done():
+                self._heard[msg.process] = time.monotonic()
+                fut.set_result(msg.pid)
+        elif isinstance(msg, wire.StartFailed):
+            fut = self._ready.get(msg.process)
+            if fut is not None and not fut.done():
+                fut.set_exception(StartupError(f"process {msg.process!r} failed to start: {msg.message}", process=msg.process, traceback=msg.traceback))
+        elif isinstance(msg, wire.Bye):
+            fut = self._byes.get(msg.process)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif isinstance(msg, wire.StateReport):
+            entry = self._reports.get(msg.token)
+            if entry is not None:
+                fut, reports, waiting = entry
+                reports[msg.process] = dict(msg.state)
+                waiting.discard(msg.process)
+                if not waiting and not fut.done():
+                    fut.set_result(None)
+        else:
+            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
+
+    def broadcast(self, msg: Any, names: Iterable[str] | None = None) -> None:
+        """Post ``msg`` to the processes ``names`` (default: all) that are alive."""
+        if self.outbox is None:
+            return
+        for name in self.handles if names is None else names:
+            if self.live(name):
+                self.outbox.post(self.addresses[name], msg)
+
+    async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+        """Per-request state every live process holds (table → entries)."""
+        token = secrets.randbits(31)
+        names = {n for n in self.handles if self.live(n)}
+        fut = self._loop.create_future()
+        reports: dict[str, dict[str, int]] = {}
+        self._reports[token] = (fut, reports, set(names))
+        try:
+            self.broadcast(wire.StateQuery(token), names)
+            if names:
+                await asyncio.wait_for(fut, timeout)
+        finally:
+            del self._reports[token]
+        return reports
+
+    # -- supervision ------------------------------------------------------------------------------
+
+    def group_of(self, name: str) -> list[str]:
+        """The processes restarted together with ``name``: its TP group (every rank of the
+        replica), or the process alone."""
+        spec = self.boots[name].process
+        leader = spec.leader or spec.name
+        return [n for n, b in self.boots.items() if n == leader or b.process.leader == leader]
+
+    def _on_exit(self, name: str, handle: ProcessHandle) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(handle.sentinel)
+        handle.join(0.1)
+        if self.handles.get(name) is not handle:
+            return  # a process of an earlier generation
+        code = handle.exitcode
+        reason = handle.describe_exit() if hasattr(handle, "describe_exit") else None  # e.g. Ray's cause and node
+        stages = self.boots[name].process.stages
+        ready = self._ready.get(name)
+        if ready is not None and not ready.done():
+            how = reason or signal_name(code) or f"exit code {code}"
+            ready.set_exception(StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name))
+            return
+        if self.state in ("stopping", "stopped", "new", "starting"):
+            return  # expected (stopping), or handled by the start (starting)
+        silent = self._hung.pop(name, None)
+
+        def error(req: Any) -> BaseException:
+            rid = getattr(req, "request_id", None)
+            if silent is not None:
+                return ProcessHung(process=name, pid=handle.pid, silent_for=silent, request_id=rid, stages=stages)
+            return ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=signal_name(code), request_id=rid,
+                               stages=stages, reason=reason)
+
+        group = self.group_of(name)
+        self._heard.pop(name, None)
+        failed = self._on_death(set(group), error)
+        self.log.error("stage process hung" if silent is not None else "stage process died", process=name,
+                       pid=handle.pid, exitcode=code, signal=signal_name(code), reason=reason, failed_requests=failed)
+        leader = group[0]
+        if leader in self._restarting:
+            self._again.add(leader)  # died while its group restarts: that restart goes round again
+            return
+        policy = self.config.restart
+        if policy.policy == "on-failure" and self.restarts < policy.max_restarts:
+            self.restarts += 1
+            self._set_state("restarting")
+            self._restarting[leader] = self._loop.create_task(self._restart(leader, group))
+        else:
+            self.closed_reason = error(None)
+            if policy.policy == "on-failure":
+                self.log.error("restart limit reached; stopping", max_restarts=policy.max_restarts)
+            self._begin_stop()
+
+    async def _restart(self, leader: str, group: list[str]) -> None:
+        try:
+            while True:
+                self.log.warning("restarting process group", group=group, restart=self.restarts)
+                try:
+                    await self._kill(group)
+                    for name in group:
+                        boot = self.boots[name]
+                        self.boots[name] = attrs.evolve(boot, generation=boot.generation + 1)
+                        self._launch(name)
+                    await self._wait_ready(group, time.monotonic() + self.config.limits.startup_timeout)
+                    if leader not in self._again and all(self.live(n) for n in group):
+                        break
+                    self._again.discard(leader)
+                    raise StartupError(f"a process of group {group} died while the group restarted")
+                except Exception as exc:
+                    if self.state in ("stopping", "stopped"):
+                        return
+                    policy = self.config.restart
+                    if self.restarts >= policy.max_restarts:
+                        self.log.error("restart failed", group=group, error=str(exc))
+                        self.closed_reason = exc
+                        self._begin_stop()
+                        return
+                    self.restarts += 1
+            for name in group:
+                self.log.info("process group restarted", process=name, pid=self.handles[name].pid)
+        finally:
+            self._again.discard(leader)
+            self._restarting.pop(leader, None)
+            if not self._restarting and self.state == "restarting":
+                self._set_state("running")
+
+    async def _kill(self, names: list[str]) -> None:
+        """Kill the live processes among ``names`` and wait until they are gone."""
+        for name in names:
+            handle = self.handles.get(name)
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(handle.sentinel)
+                if handle.exitcode is None:
+                    handle.kill()
+        for name in names:
+            handle = self.handles.get(name)
+            if handle is not None:
+                await self._join(handle, 5.0)
+
+    async def _watch_heartbeats(self) -> None:
+        limits = self.config.limits
+        interval, timeout = limits.heartbeat_interval, limits.heartbeat_timeout
+        last = time.monotonic()
+        while self.state in ("running", "restarting"):
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            late, last = now - last - interval, now
+            if late > interval / 2:
+                continue  # this loop was busy: heartbeats may be waiting in the inbox
+            for name, heard in list(self._heard.items()):
+                silent = now - heard
+                if silent > timeout and self.live(name) and name not in self._hung:
+                    self._hung[name] = silent
+                    self.log.error("stage process hung: killing it", process=name, silent_for=round(silent, 1))
+                    with contextlib.suppress(Exception):
+                        self.handles[name].kill()
+
+    # -- stop -------------------------------------------------------------------------------------
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Drain requests in flight, then shut every process down and free everything, all
+        within ``timeout`` (default ``limits.stop_timeout``). Idempotent."""
+        if self.state in ("stopped", "new"):
+            self._set_state("stopped")
+            return
+        self._begin_stop(timeout)
+        if self._stop_task is not None:
+            await asyncio.shield(self._stop_task)
+
+    def _begin_stop(self, timeout: float | None = None) -> None:
+        """Enter ``stopping`` now (no request is admitted from here on) and stop in a task."""
+        if self.state in ("stopping", "stopped", "new"):
+            return
+        self._set_state("stopping")
+        self._stop_task = self._loop.create_task(self._stop(timeout))
+
+    async def _stop(self, timeout: float | None) -> None:
+        total = self.config.limits.stop_timeout if timeout is None else timeout
+        start = time.monotonic()
+        deadline = start + total
+        for task in list(self._restarting.values()):
+            task.cancel()
+        if self._monitor is not None:
+            self._monitor.cancel()
+        await self._on_stopping(start + total * 0.5)
+        self._on_stopped(self.closed_reason)
+        await self._teardown(deadline)
+        self._set_state("stopped")
+
+    async def _teardown(self, deadline: float) -> None:
+        start = time.monotonic()
+        span = max(0.5, deadline - start)
+        alive = {n: h for n, h in self.handles.items() if h.exitcode is None}
+        if alive and self.outbox is not None:
+            self._byes = {n: self._loop.create_future() for n in alive}
+            for name in alive:
+                self.outbox.post(self.addresses[name], wire.Shutdown())
+            await asyncio.wait(list(self._byes.values()), timeout=span * 0.5)
+        join_by = start + span * 0.7
+        for handle in self.handles.values():
+            await self._join(handle, join_by - time.monotonic())
+        for handle in self.handles.values():
+            if handle.exitcode is None:
+                handle.terminate()
+        for handle in self.handles.values():
+            await self._join(handle, start + span * 0.9 - time.monotonic())
+        for handle in self.handles.values():
+            if handle.exitcode is None:
+                handle.kill()
+        for handle in self.handles.values():
+            await self._join(handle, max(0.5, start + span - time.monotonic()))
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(handle.sentinel)
+        if self.launcher is not None:
+            with contextlib.suppress(Exception):
+                self.launcher.close()
+        if self.inbox is not None:
+            self.inbox.close()
+        if self.outbox is not None:
+            self.outbox.close(linger_ms=0)
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+        self._sweep_relays()
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _sweep_relays(self) -> None:
+        if not self.plan or not self.run_id:
+            return
+        for relay_name in {e.relay for e in self.plan.edges if e.relay != OBJECT_RELAY}:
+            try:
+                self.registry.resolve("relay", relay_name).sweep(self.run_id)
+            except Exception:
+                self.log.exception("relay sweep failed", relay=relay_name)
+
+    @staticmethod
+    async def _join(handle: ProcessHandle, timeout: float) -> None:
+        end = time.monotonic() + max(0.0, timeout)
+        while handle.exitcode is None and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if handle.exitcode is not None:
+            handle.join(0)

@@ -1,0 +1,78 @@
+"""Types both sides of the runtime share: the parent (runner, coordinator) and the stage
+processes (host, edges, routing, stages). A leaf module: it imports nothing from the runtime, so
+the parent never imports the child's main and the runtime has no import circle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..plan.topology import ProcessSpec
+
+#: Relay used for the caller's edges (inputs to the entry stage, results and events back).
+CALLER_RELAY = "inline"
+
+#: The wire name of a message whose tensors went through two relays (see ``Edges.put``).
+SPLIT_RELAY = "+split"
+
+#: Route/stream_done functions may return this to mean "every target".
+ALL_TARGETS = "*"
+
+
+class WiringError(Exception):
+    """A user function broke its contract (returned an unknown stage, a wrong type, ...)."""
+
+
+@attrs.frozen
+class Bootstrap:
+    """Everything a stage process needs, sent by the launcher (picklable).
+
+    ``generation`` counts the restarts of the process's group: a restarted TP group meets at a
+    fresh rendezvous."""
+
+    run_id: str
+    runtime_dir: str
+    config: dict[str, Any]
+    process: ProcessSpec
+    addresses: dict[str, str]
+    routes: dict[str, list[str]]
+    edge_relays: dict[tuple[str, str, str], str]
+    env: dict[str, str]
+    parent_pid: int
+    followers: tuple[str, ...] = ()
+    cwd: str | None = None
+    generation: int = 0
+
+
+@attrs.define
+class Inbound:
+    """What a request brought into this stage: relay buffers to release when the call is done,
+    and the tensors that view relay memory (copied out if the result keeps them)."""
+
+    releases: list[Callable[[], None]] = attrs.Factory(list)
+    storages: set[int] = attrs.Factory(set)
+
+    def merge(self, other: Inbound) -> None:
+        self.releases += other.releases
+        self.storages |= other.storages
+
+    def release(self) -> None:
+        releases, self.releases = self.releases, []
+        for release in releases:
+            release()
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.storages)
+
+
+@attrs.define
+class StageFunctions:
+    """The stage's resolved wiring functions (None where the config sets none)."""
+
+    route: Callable | None = None
+    merge: Callable | None = None
+    wait_for: Callable | None = None
+    stream_done: Callable | None = None
+    project: dict[str, Callable] = attrs.Factory(dict)
