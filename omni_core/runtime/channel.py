@@ -289,11 +289,12 @@ def adopt_inbox(address: str) -> zmq.Socket | None:
     return sock
 
 
-def release_inboxes() -> None:
-    """Close every bound inbox nobody adopted (a failed start)."""
+def release_inboxes(addresses: Sequence[str]) -> None:
+    """Close the inboxes bound for ``addresses`` that nobody adopted (a failed start)."""
     with _tcp_lock:
-        socks = {id(s): s for s in _prebound.values()}
-        _prebound.clear()
+        socks = {id(s): s for a, s in _prebound.items() if a in addresses}
+        for address in [a for a, s in _prebound.items() if id(s) in socks]:
+            del _prebound[address]
     for sock in socks.values():
         sock.close(linger=0)
 

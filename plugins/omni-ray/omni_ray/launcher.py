@@ -492,7 +492,7 @@ class RayLauncher:
                 remove_placement_group(pg)
         self.slots.clear()
         self.pgs.clear()
-        release_inboxes()
+        release_inboxes([a for a in (self.ipc.get(""), self.tcp.get("")) if a])
         forget_trust(self.keys)
         if self._owns_ray:
             ray.shutdown()
