@@ -12,7 +12,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from omni_core.runtime import wire
-from omni_core.runtime.channel import CurveKeys, Inbox, Outbox, bind_inbox, forget_trust, release_inboxes
+from omni_core.runtime.channel import (
+    CurveKeys,
+    Inbox,
+    Outbox,
+    bind_inbox,
+    forget_trust,
+    release_inboxes,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
