@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import live_actors
+from conftest import live_actors, wait_until
 from omni_core import Pipeline, ProcessDied
 from omni_core.testing.leaks import runtime_dirs
 
@@ -247,3 +247,54 @@ def zmq_noblock():
     import zmq
 
     return zmq.NOBLOCK
+
+
+DRIVER = """
+import asyncio, json, sys
+import ray, torch
+from omni_core import Pipeline
+
+cfg = json.loads(sys.argv[2])
+ray.init(address=sys.argv[1], namespace="omni-test", log_to_driver=False)
+
+async def main():
+    p = Pipeline(cfg)
+    await p.start()
+    await p.submit({"x": torch.ones(1 << 16)})  # shm between b and c on node_a holds a segment
+    print(json.dumps({"pids": p.pids(), "run_id": p.runner.run_id}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_the_drivers_sigkill_leaves_no_actor_and_the_next_start_sweeps_its_segments(cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from omni_core.testing.leaks import alive, shm_segments
+
+    cfg = three_nodes()
+    cfg["stages"][2]["launch"] = {"resources": {"node_a": 1}}  # b -> c on one node: shm
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address, json.dumps(cfg)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert shm_segments(proc.pid), "the run should hold an shm segment"
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_until(lambda: not live_actors(), 60, "Ray to end the dead driver's actors")
+    wait_until(lambda: not any(alive(pid) for pid in info["pids"].values()), 30, "the actors' processes to exit")
+
+    async def body():  # the next run on the node sweeps what the killed run left
+        cfg2 = three_nodes()
+        cfg2["stages"][2]["launch"] = {"resources": {"node_a": 1}}
+        async with Pipeline(cfg2) as p:
+            await p.submit({"x": torch.ones(4)})
+
+    arun(body())
+    assert not shm_segments(proc.pid)
