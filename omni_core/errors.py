@@ -6,6 +6,7 @@ process, plugin) and, where there is one, what to do about it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import attrs
@@ -58,6 +59,7 @@ class StartupError(OmniError):
     def __init__(self, message: str, *, process: str | None = None, traceback: str | None = None):
         self.process = process
         self.traceback = traceback
+        self.message = message
         text = message if not traceback else f"{message}\n\n--- traceback from {process} ---\n{traceback}"
         super().__init__(text)
 
@@ -155,3 +157,65 @@ class RequestTimeout(RequestError):
 
 class PipelineClosed(OmniError):
     """The pipeline is not running (not started yet, stopping, or stopped)."""
+
+
+# -- tracebacks as users read them ----------------------------------------------------------------
+
+#: Frames from these places are Python's machinery, not the user's code (omni's own frames are
+#: those under this package's folder).
+_MACHINERY = tuple(
+    f"{os.sep}{name}" for name in ("asyncio" + os.sep, "multiprocessing" + os.sep, "concurrent" + os.sep,
+                                   "importlib" + os.sep, "threading.py", "runpy.py")
+) + ("<frozen importlib", "<frozen runpy")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_machinery(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_DIR + os.sep) or any(part in filename for part in _MACHINERY)
+
+
+def trim_traceback(text: str) -> str:
+    """A formatted traceback with the frames of omni and of Python's machinery (asyncio,
+    multiprocessing, importlib) removed, so that what is left is the user's own code.
+
+    Works on text, so it applies to a traceback that came from another process. Chained
+    exceptions keep their "During handling ..." separators; a block left without frames keeps
+    only its exception line. Text that is not a traceback comes back unchanged."""
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith('  File "'):
+            filename = line[len('  File "'):].split('"', 1)[0]
+            frame = [line]
+            i += 1
+            while i < len(lines) and lines[i].startswith("    "):
+                frame.append(lines[i])
+                i += 1
+            if not _is_machinery(filename):
+                out.extend(frame)
+            continue
+        out.append(line)
+        i += 1
+    # A "Traceback (most recent call last):" header directly followed by the exception line
+    # (every frame trimmed) says nothing: drop it.
+    cleaned = [
+        line for k, line in enumerate(out)
+        if not (line.startswith("Traceback (most recent call last):")
+                and (k + 1 >= len(out) or not out[k + 1].startswith('  File "')))
+    ]
+    return "\n".join(cleaned) + ("\n" if text.endswith("\n") else "")
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` (and its causes) without omni's own frames: what a stage process
+    sends back when it fails to start, so that the user sees their code only."""
+    import traceback
+
+    return trim_traceback("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def has_user_frames(text: str) -> bool:
+    """Whether a (trimmed) traceback still shows any frame."""
+    return any(line.startswith('  File "') for line in text.splitlines())

@@ -103,3 +103,22 @@ def omni_register_pipelines(register):
     file shipped inside a package, or a zero-argument callable returning one of these. The name can
     then be used wherever a config path is accepted (``omni run demo``).
     """
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def omni_register_apis(register):
+    """Register HTTP APIs that ``omni serve`` can mount:
+    ``register("openai", "acme_omni.api:make_routes", description="...")``.
+
+    ``obj`` is a factory ``fn(api: omni_core.serve.ApiContext) -> routes``, called once in the
+    server process once the pipeline runs; ``api.pipeline`` is the running pipeline,
+    ``api.settings`` the server's settings and ``api.options`` this API's mapping from the config's
+    ``serve.options``. It returns Starlette routes (a list of routes, a ``Router``) or a FastAPI
+    ``APIRouter``. Mounted with ``omni serve --api NAME`` or the config's ``serve: {apis: [NAME]}``;
+    see docs/serving.md.
+    """

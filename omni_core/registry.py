@@ -39,6 +39,7 @@ KIND_LABELS: dict[str, str] = {
     "placement": "placement strategy",
     "launcher": "launcher",
     "pipeline": "pipeline",
+    "api": "API",
 }
 
 #: Which hook registers which kinds.
@@ -49,6 +50,7 @@ HOOK_KINDS: dict[str, tuple[str, ...]] = {
     "omni_register_placements": ("placement",),
     "omni_register_launchers": ("launcher",),
     "omni_register_pipelines": ("pipeline",),
+    "omni_register_apis": ("api",),
 }
 
 

@@ -8,6 +8,7 @@ from plugin_fixtures import AcmePlugin, forget_test_modules, make_plugin_site
 
 from omni_core.plugins import load_plugins, reset_plugins
 from omni_core.registry import Registry
+from omni_core.testing.cuda import pytest_configure, pytest_runtest_setup  # noqa: F401 - the cuda marker
 
 
 @pytest.fixture(autouse=True)

@@ -256,3 +256,170 @@ class AllReduce:
 class Cwd:
     def __call__(self, payload, ctx):
         return {"cwd": os.getcwd()}
+
+
+# -- Runtime 2 tests (ordering, streams, supervision, isolation) ---------------------------------
+
+def _spin(seconds: float) -> None:
+    """Keep this thread (and, from an async stage, its process's event loop) busy."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _wait_for_file(path: str, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+class TensorChunks:
+    """Emits ``n`` chunks ``{"i": i, "t": a tensor full of i}`` (every ``plain``-th one without a
+    tensor), raising after the first when ``fail`` is set; then returns its payload."""
+
+    async def __call__(self, payload, ctx):
+        n, size, plain = payload.get("n", 3), payload.get("size", 16), payload.get("plain", 0)
+        for i in range(n):
+            if plain and i % plain == plain - 1:
+                await ctx.emit({"i": i})
+            else:
+                await ctx.emit({"i": i, "t": torch.full((size,), float(i))})
+            if payload.get("fail"):
+                raise RuntimeError("failed after its first chunk")
+        return payload
+
+
+class CollectTensors:
+    """Reads the stream from ``source``, after keeping its event loop busy for ``block`` seconds
+    (the chunks queue up unread meanwhile); stops after ``take`` chunks when given. Returns the
+    chunk indices in arrival order and those whose tensor was wrong."""
+
+    def __init__(self, source: str, block: float = 0.0, take: int | None = None):
+        self.source, self.block, self.take = source, block, take
+
+    async def __call__(self, payload, ctx):
+        if self.block:
+            _spin(self.block)
+        got, bad = [], []
+        async for chunk in ctx.stream_from(self.source):
+            got.append(chunk["i"])
+            t = chunk.get("t")
+            if t is not None and not bool((t == chunk["i"]).all()):
+                bad.append(chunk["i"])
+            if self.take is not None and len(got) >= self.take:
+                break
+        return {"got": got, "bad": bad}
+
+
+def merge_tp_input(payloads):
+    """Fan-in of ``tok`` (the payload, with ``x``) and ``collect`` (what it streamed)."""
+    return {"x": payloads["tok"]["x"], "got": payloads["collect"]["got"]}
+
+
+class Raise:
+    """Raises the ``BaseException`` named by ``raise`` (async stage); otherwise waits for the
+    file ``gate`` when given, then returns its payload."""
+
+    async def __call__(self, payload, ctx):
+        name = payload.get("raise")
+        if name:
+            raise _BASE_EXCEPTIONS[name]("raised by the stage")
+        if payload.get("gate"):
+            while not os.path.exists(payload["gate"]):
+                await asyncio.sleep(0.01)
+        return {"ok": payload.get("n"), "pid": os.getpid()}
+
+
+class RaiseSync:
+    """Like ``Raise``, as a sync stage (it runs in a worker thread)."""
+
+    def __call__(self, payload, ctx):
+        name = payload.get("raise")
+        if name:
+            raise _BASE_EXCEPTIONS[name]("raised by the stage")
+        if payload.get("gate"):
+            _wait_for_file(payload["gate"])
+        return {"ok": payload.get("n"), "pid": os.getpid()}
+
+
+_BASE_EXCEPTIONS = {"SystemExit": SystemExit, "KeyboardInterrupt": KeyboardInterrupt,
+                    "CancelledError": asyncio.CancelledError, "GeneratorExit": GeneratorExit}
+
+
+class Gate:
+    """Starts at once the first time; every later start (a restart) waits in its factory until
+    the file ``gate`` exists, so a test can hold the pipeline in ``restarting``."""
+
+    def __init__(self, marker: str, gate: str):
+        if os.path.exists(marker):
+            _wait_for_file(gate)
+        else:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+
+    def __call__(self, payload, ctx):
+        return {**payload, "pid": os.getpid()}
+
+
+FORGE_MAGIC = 0x0F0E_0D0C
+
+
+class Forger:
+    """Returns ``{"x": ...}``; a payload with ``forge`` set makes this process's relays send a
+    forged handle for that result: its first tensor is a marker the patched ``put`` recognises
+    (and strips). Kinds: ``path`` (a segment name outside /dev/shm), ``huge`` (a handle without
+    a buffer declaring 512 MiB), ``bounds`` (a span beyond the segment), ``frames`` (inline: a
+    frame too short for its tensor), ``other-run`` (a segment of another run)."""
+
+    KINDS = ["path", "huge", "bounds", "frames", "other-run"]
+
+    def __init__(self, victim: str = ""):
+        import msgspec
+
+        from omni_core.relay import inline, shm
+
+        self.victim = victim
+        original_shm, original_inline = shm.ShmRelay.put, inline.InlineRelay.put
+        kinds, victim_path = self.KINDS, victim
+
+        def marked(tensors):
+            if tensors and tensors[0].dtype == torch.int64 and tensors[0].numel() == 2 \
+                    and int(tensors[0][0]) == FORGE_MAGIC:
+                return kinds[int(tensors[0][1])], list(tensors[1:])
+            return None, tensors
+
+        async def shm_put(relay, request_id, tensors, target):
+            kind, tensors = marked(tensors)
+            transfer = await original_shm(relay, request_id, [torch.zeros(1)] + list(tensors) if kind else tensors, target)
+            if kind is None:
+                return transfer
+            h = shm._decode(transfer.handle)
+            if kind == "path":
+                h = msgspec.structs.replace(h, segment=os.path.relpath(victim_path, "/dev/shm"))
+            elif kind == "huge":
+                h = msgspec.structs.replace(h, segment="", dtypes=["float32"], shapes=[[1 << 27]], offsets=[0])
+            elif kind == "bounds":
+                h = msgspec.structs.replace(h, shapes=[[1 << 27]] + h.shapes[1:])
+            elif kind == "other-run":
+                h = msgspec.structs.replace(h, segment=h.segment.replace("omni-", "omni-x", 1))
+            return type(transfer)(shm._encode(h), transfer.frames)
+
+        async def inline_put(relay, request_id, tensors, target):
+            kind, tensors = marked(tensors)
+            transfer = await original_inline(relay, request_id, [torch.zeros(4)] + list(tensors) if kind else tensors, target)
+            if kind is None:
+                return transfer
+            frames = list(transfer.frames)
+            frames[0] = b""  # a 16-byte tensor declared, an empty frame sent
+            return type(transfer)(transfer.handle, frames)
+
+        shm.ShmRelay.put, inline.InlineRelay.put = shm_put, inline_put
+
+    def __call__(self, payload, ctx):
+        out = {"x": torch.full((8,), float(payload.get("n", 0))), "n": payload.get("n")}
+        kind = payload.get("forge")
+        if kind:
+            out = {"marker": torch.tensor([FORGE_MAGIC, self.KINDS.index(kind)]), **out}
+        return out

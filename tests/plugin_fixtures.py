@@ -125,6 +125,30 @@ GOOD = FakeDistribution(
                 register("acme.launcher", GoodLauncher)
 
 
+            def make_api(api):
+                """An HTTP API for omni serve: POST /v1/acme/echo runs the body through the
+                pipeline; GET /v1/acme/options shows this API's options from the config."""
+                from starlette.responses import JSONResponse
+                from starlette.routing import Route
+
+                async def echo(request):
+                    try:
+                        result = await api.submit(await request.json())
+                    except Exception as exc:
+                        return api.error_response(exc)
+                    return JSONResponse({"acme": result, "pipeline": api.pipeline_name})
+
+                async def options(request):
+                    return JSONResponse(api.options)
+
+                return [Route("/v1/acme/echo", echo, methods=["POST"]), Route("/v1/acme/options", options)]
+
+
+            @omni_core.hookimpl
+            def omni_register_apis(register):
+                register("acme.api", make_api, description="echoes through the pipeline")
+
+
             @omni_core.hookimpl
             def omni_register_pipelines(register):
                 register("acme.demo", "omnitest_good:demo.yaml")

@@ -48,10 +48,10 @@ def test_run_many_writes_results_and_a_summary(config, tmp_path):
     out = tmp_path / "out.jsonl"
     result = omni("run", config, "--inputs", str(requests), "--output", str(out), "-c", "2")
     assert result.exit_code == 1  # one request failed
-    records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
-    assert records[0] == {"index": 0, "result": {"text": "A"}}
-    assert records[1] == {"index": 1, "result": {"text": "B"}}
-    assert records[2]["index"] == 2 and "KeyError" in records[2]["error"] and "'up'" in records[2]["error"]
+    records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["line"])
+    assert records[0] == {"line": 1, "result": {"text": "A"}}
+    assert records[1] == {"line": 2, "result": {"text": "B"}}
+    assert records[2]["line"] == 4 and "KeyError" in records[2]["error"] and "'up'" in records[2]["error"]
     assert "3 requests, 1 failed" in result.stderr and "p50" in result.stderr and "p99" in result.stderr
 
 

@@ -239,13 +239,15 @@ def pipelines(draw):
     stages = []
     for i, name in enumerate(stage_names):
         later = stage_names[i + 1:]
+        tp_size = draw(st.integers(1, 4))
         stages.append({
             "name": name,
             "factory": draw(st.sampled_from(["acme.upper", "pkg.mod:Factory"])),
             "args": draw(st.dictionaries(names, st.integers() | st.text(max_size=3), max_size=2)),
             **({"next": later[:1]} if later else {"terminal": True}),
-            "gpu": draw(st.none() | st.integers(0, 7) | st.lists(st.integers(0, 7), min_size=1, max_size=2)),
-            "tp_size": draw(st.integers(1, 4)),
+            # a list gives one id per rank; a single id is the short form
+            "gpu": draw(st.none() | st.integers(0, 7) | st.lists(st.integers(0, 7), min_size=tp_size, max_size=tp_size)),
+            "tp_size": tp_size,
             "env": draw(st.dictionaries(names, names, max_size=2)),
             "relay": draw(st.none() | st.sampled_from(["shm", "inline"])),
             "process": draw(st.none() | names),

@@ -173,3 +173,19 @@ def test_factory_taking_any_keyword_accepts_any_args(registry):
 def test_rules_report_in_order_of_the_file_within_each_rule(registry):
     found = issues_of(registry, stage("a", next="x"), stage("b", next="y"), stage("c", terminal=True))
     assert [p for p, _ in found][:2] == ["stages[0].next[0]", "stages[1].next[0]"]
+
+
+def test_importing_factories_checks_a_lazily_registered_factory(registry):
+    # acme.lazy is registered by dotted path: only an importing check (omni validate) sees its signature
+    cfg = structure({"name": "t", "stages": [stage("a", factory="acme.lazy", args={"prefx": "x"}, terminal=True)]})
+    assert collect_issues(cfg, registry) == []
+    [issue] = collect_issues(cfg, registry, import_factories=True)
+    assert issue.path == "stages[0].args.prefx"
+    assert issue.message == "factory 'acme.lazy' does not accept argument 'prefx' (did you mean 'prefix'?)"
+
+
+def test_importing_factories_reports_a_missing_attribute_at_the_factory(registry):
+    cfg = structure({"name": "t", "stages": [stage("a", factory="plugin_fixtures:Uper", terminal=True)]})
+    [issue] = collect_issues(cfg, registry, import_factories=True)
+    assert issue.path == "stages[0].factory"
+    assert issue.message.startswith("module 'plugin_fixtures' has no attribute 'Uper'")

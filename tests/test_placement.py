@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_core.config import structure
-from omni_core.errors import ConfigError
+from omni_core.errors import ConfigError, PluginError
 from omni_core.plan import build_plan
 from omni_core.plan.placement import (
     DEFAULT_MEMORY,
@@ -216,6 +216,49 @@ def test_more_tp_ranks_than_gpus_is_an_error_naming_stage_and_gpu(registry, stra
     assert "stage 't' has ranks" in issue.message
     assert "both on GPU" in issue.message
     assert "tp_size 3, 2 GPUs visible" in issue.message
+
+
+def test_explicit_tp_ranks_do_not_silently_run_on_the_cpu_when_gpus_are_too_few(registry):
+    issue = error_of(registry, {"name": "t", "tp_size": 3}, gpus=2).issues[0]
+    assert issue.path == "stages[0].tp_size"
+    assert issue.message == (
+        "stage 't' has tp_size 3 but only 2 GPUs are given (GPU 0, GPU 1); each tensor-parallel rank needs a GPU of its own"
+    )
+    assert "lower tp_size to at most 2" in issue.hint
+
+
+def test_a_stage_kept_on_the_cpu_may_have_more_ranks_than_gpus(registry):
+    placement = placement_of(registry, {"name": "t", "tp_size": 3}, gpus=2, strategy="pack", options={"cpu": "t"})
+    assert placement == {"t": (None, None, None)}
+
+
+def test_a_strategy_that_moves_a_pinned_stage_is_an_error(registry):
+    registry.add(Entry("placement", "mover", lambda request: {s.name: (1,) for s in request.stages}, "test"))
+    issue = error_of(registry, {"name": "a", "gpu": 0}, gpus=2, strategy="mover").issues[0]
+    assert issue.path == "stages[0].gpu"
+    assert issue.message == "the placement strategy put stage 'a' on [1], but its 'gpu' says [0]"
+
+
+def test_a_strategy_that_raises_names_the_plugin_and_the_strategy(registry):
+    def broken(request):
+        raise ZeroDivisionError("division by zero")
+
+    registry.add(Entry("placement", "broken", broken, "acme-placement"))
+    with pytest.raises(PluginError) as caught:
+        plan_of(registry, {"name": "a"}, gpus=1, strategy="broken")
+    assert str(caught.value).startswith(
+        "placement strategy 'broken' of plugin 'acme-placement' raised ZeroDivisionError: division by zero"
+    )
+
+
+def test_idle_gpus_while_stages_run_on_the_cpu_are_a_warning(registry):
+    plan = plan_of(registry, {"name": "a", "gpu": 0}, {"name": "b"}, {"name": "c"}, gpus=4)
+    assert plan.warnings[-1] == (
+        "3 GPUs idle (1, 2, 3) while b, c run on the CPU; give those stages 'gpu: N', or use placement "
+        "strategy 'pack' or 'spread' (placement.options.cpu keeps a stage on the CPU)"
+    )
+    assert not plan_of(registry, {"name": "a"}, {"name": "b"}, gpus=2, strategy="spread").warnings
+    assert not plan_of(registry, {"name": "a"}, gpus=2, strategy="pack", options={"cpu": "a"}).warnings
 
 
 def test_explicit_tp_ranks_on_one_gpu_are_an_error(registry):

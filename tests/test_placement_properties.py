@@ -46,7 +46,7 @@ memories = st.one_of(
 def gpu_field(draw, gpus: int, tp_size: int):
     """None, one id, or one id per rank; ids may be invisible (== gpus) or repeat."""
     ids = st.integers(0, gpus)
-    return draw(st.one_of(st.none(), ids.map(lambda i: [i]), st.lists(ids, min_size=tp_size, max_size=tp_size)))
+    return draw(st.one_of(st.none(), ids, st.lists(ids, min_size=tp_size, max_size=tp_size)))
 
 
 @st.composite
@@ -117,6 +117,8 @@ def explicit_is_placeable(cfg: PipelineConfig, gpus: int) -> bool:
     """Whether the gpu fields describe a valid placement on ``gpus`` GPUs."""
     used: dict[int, float] = defaultdict(float)
     for stage in cfg.stages:
+        if 0 < gpus < stage.tp_size and stage.gpu is None:
+            return False  # ranks do not silently run on the CPU when GPUs are given
         ids = explicit_ids(stage, gpus)
         for replica in range(stage.replicas):
             ranks = [i for i in ids[replica * stage.tp_size:(replica + 1) * stage.tp_size] if i is not None]

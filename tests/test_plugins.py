@@ -61,6 +61,7 @@ def test_installed_plugin_is_discovered_with_its_distribution_version_and_hooks(
         "placement": ["acme.cpu"],
         "launcher": ["acme.launcher"],
         "pipeline": ["acme.demo", "acme.inline"],
+        "api": ["acme.api"],
     }
     upper = plugins.registry.get("stage", "acme.upper")
     assert upper.plugin == "good"

@@ -303,7 +303,7 @@ def test_pool_that_does_not_fit_in_dev_shm_is_a_clear_error(make, run_id):
     run(make("c").put(1, [torch.ones(1)], "b"))  # the run goes on with a pool that fits
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_tensors_are_copied_to_host(make):
     sender, receiver = make("a"), make("b")
     source = torch.arange(1000, device="cuda", dtype=torch.float32)

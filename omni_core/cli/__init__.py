@@ -7,6 +7,7 @@ prints. Exit codes: 0 success, 1 the input was wrong (config, request), 2 bad us
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -41,24 +42,44 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def debug_enabled() -> bool:
+    """``--debug`` or ``OMNI_DEBUG=1``: tracebacks for bug reports instead of one-line errors."""
+    return os.environ.get("OMNI_DEBUG", "").lower() in ("1", "true", "yes", "on")
+
+
 @app.callback()
 def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
     log_level: Annotated[
-        str | None, typer.Option("--log-level", envvar="OMNI_LOG_LEVEL", help="debug, info, warning (default), error.")
+        str | None,
+        typer.Option("--log-level", envvar="OMNI_LOG_LEVEL", metavar="LEVEL",
+                     help="debug, info, warning (default) or error; also OMNI_LOG_LEVEL. Stage processes log at the same level."),
     ] = None,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show Python tracebacks of errors (for bug reports); also OMNI_DEBUG=1.")
+    ] = False,
 ) -> None:
-    from ..logs import configure_logging
+    from ..logs import configure_logging, parse_level
 
-    configure_logging(log_level)
+    if debug:
+        os.environ["OMNI_DEBUG"] = "1"
+    if log_level is not None:
+        try:
+            parse_level(log_level)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--log-level'") from None
+        os.environ["OMNI_LOG_LEVEL"] = log_level  # stage processes read it when they configure logging
+    configure_logging(log_level, force=True)
 
 
 def fail_config(exc, *, source: str, as_json: bool):
     """Print every issue of a ConfigError (as JSON, or as text on stderr) and exit 1."""
     from ..errors import ConfigError
 
+    if debug_enabled():
+        raise exc
     if not exc.source:
         exc = ConfigError(exc.issues, source=source)
     if as_json:
@@ -70,11 +91,20 @@ def fail_config(exc, *, source: str, as_json: bool):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+    """Console-script entry point: a user error is one message and exit 1 (usage errors: 2), a
+    Ctrl-C exits 130; ``--debug`` / ``OMNI_DEBUG=1`` shows the traceback instead."""
     try:
         app(args=argv, prog_name="omni")
     except KeyboardInterrupt:
+        err.print("interrupted", markup=False, highlight=False)
         sys.exit(130)
+    except Exception as exc:
+        if debug_enabled():
+            raise
+        from .report import describe_error
+
+        err.print(describe_error(exc), markup=False, highlight=False)
+        sys.exit(1)
 
 
 # Each command lives in its own module and registers itself on ``app``.
@@ -82,4 +112,5 @@ from . import clean as _clean  # noqa: E402,F401
 from . import plan as _plan  # noqa: E402,F401
 from . import plugins as _plugins  # noqa: E402,F401
 from . import run as _run  # noqa: E402,F401
+from . import serve as _serve  # noqa: E402,F401
 from . import validate as _validate  # noqa: E402,F401

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, err, fail_config
+from . import app, debug_enabled, err, fail_config
 
 
 class PlanFormat(str, enum.Enum):
@@ -57,6 +57,9 @@ def plan(
         err.print(f"error: --json and --format {fmt.value} contradict each other; pass one of them")
         raise typer.Exit(2)
     fmt = PlanFormat.json if as_json else fmt
+    from .importpath import add_config_import_paths
+
+    add_config_import_paths(config)  # a placement strategy or function given by dotted path beside the config
     try:
         cfg = load_config(config)
         if launcher is not None:
@@ -66,6 +69,8 @@ def plan(
     except ConfigError as exc:
         fail_config(exc, source=config, as_json=fmt is PlanFormat.json)
     except (PluginError, LookupError) as exc:
+        if debug_enabled():
+            raise
         err.print(f"error: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from None
     renderers = {

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from . import app, err
+from . import app, debug_enabled, err
 
 
 def to_jsonable(value: Any) -> Any:
@@ -37,11 +37,14 @@ def to_jsonable(value: Any) -> Any:
 
 def _parse_input(text: str) -> Any:
     if text.startswith("@"):
-        text = Path(text[1:]).read_text()
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {text[1:]!r}: {exc.strerror}", param_hint="'--input'") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"--input is not valid JSON: {exc}") from None
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="'--input'") from None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -49,10 +52,108 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
 
 
-async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | None, gpus: int | None) -> Any:
-    from ..runtime.pipeline import Pipeline
+#: Back-off of a request the pipeline refused as overloaded: first wait, cap, attempts.
+RETRY_FIRST_S, RETRY_MAX_S, RETRY_ATTEMPTS = 0.01, 1.0, 12
 
-    async with Pipeline(config, gpus=gpus) as pipeline:
+
+def _check_gpus(gpus: int | None) -> None:
+    """``--gpus`` places stages on that many real GPUs; it cannot conjure them."""
+    if not gpus:
+        return
+    from ..plan.placement import detect_devices
+
+    seen = len(detect_devices())
+    if seen < gpus:
+        what = "this machine has no CUDA GPU" if seen == 0 else f"only {seen} CUDA GPU{'s' if seen != 1 else ''} visible"
+        err.print(f"error: --gpus {gpus}: {what}; stages cannot run on GPUs that are not there "
+                  f"(to see the plan for {gpus} GPUs without them, use `omni plan CONFIG --gpus {gpus}`)",
+                  markup=False, highlight=False)
+        raise typer.Exit(2)
+
+
+class _StartupLine:
+    """``starting pipeline 'demo': 5/5 processes started, 2 ready`` on a terminal, updated from
+    the runtime's ``process started`` and ``process ready`` log events (seen whatever the log
+    level); nothing when stderr is not a TTY."""
+
+    def __init__(self, name: str, total: int | None):
+        self.name, self.total, self.launched, self.ready = name, total, 0, 0
+        self.active = err.is_terminal
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> _StartupLine:
+        if self.active:
+            from ..logs import add_listener
+
+            add_listener(self.on_event)
+            self.show()
+        return self
+
+    def on_event(self, event: dict) -> None:
+        if event.get("event") == "process started":
+            self.launched += 1
+            self.show()
+        elif event.get("event") == "process ready":
+            self.ready += 1
+            self.show()
+
+    def show(self, final: bool = False) -> None:
+        of = f"/{self.total}" if self.total else ""
+        if final:
+            text = f"{self.total or self.launched}{of} processes ready ({time.perf_counter() - self.started:.1f} s)\n"
+        else:
+            text = f"{self.launched}{of} processes started, {self.ready} ready"
+        err.file.write(f"\r\x1b[2Kstarting pipeline {self.name!r}: {text}")
+        err.file.flush()
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if not self.active:
+            return
+        from ..logs import remove_listener
+
+        remove_listener(self.on_event)
+        if exc_type is None:
+            self.show(final=True)
+        else:
+            err.file.write("\n")
+            err.file.flush()
+
+
+async def _started(config: str, gpus: int | None):
+    """A started Pipeline, with a progress line while it starts; a failed start is described
+    with the config paths of the failing process's stages (and, if the factory's signature
+    explains it, the config error ``omni validate`` would report)."""
+    from ..errors import StartupError
+    from ..runtime.pipeline import Pipeline
+    from .report import describe_startup_failure
+
+    pipeline = Pipeline(config, gpus=gpus)
+    total = None
+    try:
+        from ..plan import build_plan
+        from ..plugins import get_registry
+
+        total = len(build_plan(pipeline.config, get_registry(), gpus=gpus).processes)
+    except Exception:  # the start itself reports any problem of the plan
+        pass
+    try:
+        with _StartupLine(pipeline.config.name, total):
+            await pipeline.start()
+    except StartupError as exc:
+        from ..config import collect_issues
+        from ..errors import ConfigError
+
+        issues = collect_issues(pipeline.config, import_factories=True)
+        if issues:
+            raise ConfigError(issues, source=config) from exc
+        err.print(describe_startup_failure(exc, cfg=pipeline.config, plan=pipeline.plan), markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    return pipeline
+
+
+async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | None, gpus: int | None) -> Any:
+    pipeline = await _started(config, gpus)
+    try:
         if not stream:
             return await pipeline.submit(inputs, request_id=request_id)
         result = None
@@ -62,44 +163,116 @@ async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | Non
             else:
                 print(json.dumps({"stage": event.stage, "chunk": to_jsonable(event.data)}), flush=True)
         return result
+    finally:
+        await pipeline.stop()
 
 
-async def _run_many(config: str, lines: list[str], output: Path | None, concurrency: int, gpus: int | None) -> tuple[int, int, list[float]]:
+class _Batch:
+    """What a batch run has done so far (for the summary, also after a Ctrl-C)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+        self.failures = 0
+        self.latencies: list[float] = []
+        self.interrupted = False
+
+    def summary(self) -> str:
+        ok = self.done - self.failures
+        if self.latencies:
+            p50, p99 = _percentile(self.latencies, 0.5), _percentile(self.latencies, 0.99)
+            latency = f"latency p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms over {ok} succeeded"
+        else:
+            latency = "no latency: no request succeeded"
+        if self.interrupted:
+            return (f"interrupted: {self.done} of {self.total} requests finished, {self.failures} failed, "
+                    f"{self.total - self.done} not finished; {latency}")
+        return f"{self.total} requests, {self.failures} failed, {latency}"
+
+
+async def _submit_retrying(pipeline: Any, inputs: Any, request_id: str) -> Any:
+    """Submit; an ``Overloaded`` refusal (another caller filled the pipeline) is retried with
+    exponential back-off before it counts as the request's error."""
+    from ..errors import Overloaded
+
+    wait = RETRY_FIRST_S
+    for attempt in range(RETRY_ATTEMPTS):
+        try:
+            return await pipeline.submit(inputs, request_id=request_id)
+        except Overloaded:
+            if attempt == RETRY_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(wait)
+            wait = min(RETRY_MAX_S, wait * 2)
+    raise AssertionError("unreachable")
+
+
+async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | None, concurrency: int | None,
+                    gpus: int | None) -> _Batch:
+    """Run every line (``(line number, text)``) with at most ``concurrency`` in flight (never more
+    than ``limits.max_in_flight``); results are written as they finish, numbered by input line.
+    A Ctrl-C aborts what is in flight and returns what finished."""
+    import signal
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..errors import OmniError
-    from ..runtime.pipeline import Pipeline
 
-    latencies: list[float] = []
-    failures = 0
-    sem = asyncio.Semaphore(concurrency)
+    batch = _Batch(len(lines))
+    pipeline = await _started(config, gpus)
+    limit = pipeline.config.limits.max_in_flight
+    if concurrency is not None and concurrency > limit:
+        err.print(f"note: --concurrency {concurrency} is above limits.max_in_flight ({limit}); sending at most {limit} at once",
+                  markup=False, highlight=False)
+    sem = asyncio.Semaphore(min(concurrency or DEFAULT_CONCURRENCY, limit))
     out = output.open("w") if output else sys.stdout
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
     try:
-        async with Pipeline(config, gpus=gpus) as pipeline:
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err_console(), transient=False) as progress:
-                task = progress.add_task("requests", total=len(lines))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console(), transient=False) as progress:
+            task = progress.add_task("requests", total=len(lines))
 
-                async def one(index: int, line: str) -> None:
-                    nonlocal failures
-                    async with sem:
-                        record: dict[str, Any] = {"index": index}
-                        start = time.perf_counter()
-                        try:
-                            inputs = json.loads(line)
-                            record["result"] = to_jsonable(await pipeline.submit(inputs))
-                            latencies.append(time.perf_counter() - start)
-                        except (OmniError, json.JSONDecodeError) as exc:
-                            failures += 1
-                            record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                        out.write(json.dumps(record) + "\n")
-                        progress.advance(task)
+            async def one(number: int, line: str) -> None:
+                async with sem:
+                    record: dict[str, Any] = {"line": number}
+                    start = time.perf_counter()
+                    try:
+                        inputs = json.loads(line)
+                        record["result"] = to_jsonable(await _submit_retrying(pipeline, inputs, f"line-{number}"))
+                        batch.latencies.append(time.perf_counter() - start)
+                    except (OmniError, json.JSONDecodeError) as exc:
+                        batch.failures += 1
+                        record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    batch.done += 1
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    progress.advance(task)
 
-                await asyncio.gather(*(one(i, line) for i, line in enumerate(lines)))
+            tasks = [asyncio.ensure_future(one(n, line)) for n, line in lines]
+            everything = asyncio.gather(*tasks)
+            waiter = asyncio.ensure_future(interrupted.wait())
+            await asyncio.wait([everything, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if interrupted.is_set() and not everything.done():
+                batch.interrupted = True
+                loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C stops at once
+                for t in tasks:
+                    t.cancel()
+            await asyncio.gather(everything, return_exceptions=True)
+            if not batch.interrupted:
+                everything.result()  # an unexpected error in the CLI itself: not swallowed
     finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await pipeline.stop(timeout=0 if batch.interrupted else None)
         if output:
             out.close()
-    return len(lines), failures, latencies
+    return batch
+
+
+#: ``--concurrency`` when not given: this, or ``limits.max_in_flight`` when that is smaller.
+DEFAULT_CONCURRENCY = 16
 
 
 def err_console():
@@ -108,16 +281,22 @@ def err_console():
 
 @app.command()
 def run(
-    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name (e.g. demo).")],
-    input: Annotated[str | None, typer.Option("--input", "-i", help="One request's inputs as JSON (or @file.json).")] = None,
-    inputs: Annotated[Path | None, typer.Option("--inputs", help="A JSON-lines file, one request per line.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="With --inputs: write results here (JSON lines) instead of stdout.")] = None,
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name (e.g. demo).")],
+    input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON", help="One request's inputs as JSON (or @file.json).")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs", metavar="FILE", exists=True, dir_okay=False, readable=True,
+                                                help="A JSON-lines file, one request per line.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="FILE", help="With --inputs: write results here (JSON lines) instead of stdout.")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print chunks as terminal stages emit them (JSON lines), then the result.")] = False,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="With --inputs: requests in flight at once.")] = 16,
-    request_id: Annotated[str | None, typer.Option("--request-id", help="The id of the request (--input only).")] = None,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=0, help="Simulate this many GPUs for placement.")] = None,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, metavar="N",
+                                                    help="With --inputs: requests in flight at once (default: 16, or limits.max_in_flight when smaller; never more).")] = None,
+    request_id: Annotated[str | None, typer.Option("--request-id", metavar="ID", help="The id of the request (--input only).")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N",
+                                             help="Place stages on N of this machine's GPUs (needs CUDA; to plan for GPUs you do not have, use `omni plan --gpus N`).")] = None,
 ) -> None:
     """Run requests through a pipeline: one (--input) or many (--inputs FILE).
+
+    Python code the config names (factory: my_stages:Upper) is imported from the config file's
+    folder and the working directory, as well as from installed packages.
 
     Examples:
 
@@ -125,25 +304,30 @@ def run(
 
       omni run pipeline.yaml --inputs requests.jsonl --output results.jsonl
     """
-    from ..errors import ConfigError, OmniError
+    from ..errors import OmniError
+    from .importpath import add_config_import_paths
+    from .report import describe_error
 
     if (input is None) == (inputs is None):
         err.print("error: give exactly one of --input JSON or --inputs FILE")
         raise typer.Exit(2)
+    _check_gpus(gpus)
+    add_config_import_paths(config)
     try:
         if input is not None:
-            result = asyncio.run(_run_one(config, _parse_input(input), stream, request_id, gpus))
+            parsed = _parse_input(input)
+            result = asyncio.run(_run_one(config, parsed, stream, request_id, gpus))
             print(json.dumps({"result": to_jsonable(result)} if stream else to_jsonable(result)))
             return
-        lines = [line for line in inputs.read_text().splitlines() if line.strip()]
-        count, failures, latencies = asyncio.run(_run_many(config, lines, output, concurrency, gpus))
-        p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
-        err.print(f"{count} requests, {failures} failed, latency p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
-        if failures:
-            raise typer.Exit(1)
-    except ConfigError as exc:
-        err.print(str(exc), markup=False, highlight=False)
-        raise typer.Exit(1) from None
+        lines = [(n, line) for n, line in enumerate(inputs.read_text().splitlines(), start=1) if line.strip()]
+        batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus))
     except OmniError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        if debug_enabled():
+            raise
+        err.print(describe_error(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
+    err.print(batch.summary(), markup=False, highlight=False)
+    if batch.interrupted:
+        raise typer.Exit(130)
+    if batch.failures:
+        raise typer.Exit(1)

@@ -7,31 +7,38 @@ from typing import Annotated
 
 import typer
 
-from . import app, fail_config
+from . import app, err, fail_config
 
 # -- omni validate -------------------------------------------------------------------------------
 
 
 @app.command()
 def validate(
-    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name.")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=0, help="Check placement against this many simulated GPUs.")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N", help="Check placement against N simulated GPUs.")] = None,
+    shallow: Annotated[bool, typer.Option("--shallow", help="Do not import stage factories (skips the checks of their arguments).")] = False,
 ) -> None:
     """Check a pipeline config: every error with its path, or a one-line summary.
 
-    Placement (GPU ids, memory budgets, TP ranks) is checked too when the config places anything
-    on GPUs or --gpus is given; `omni plan` shows the full plan."""
-    from ..config import load_config
+    Stage factories are imported (from installed packages, the config file's folder and the
+    working directory) to check that they exist and that `args` matches their signatures;
+    --shallow skips that. Placement (GPU ids, memory budgets, TP ranks) is checked too when the
+    config places anything on GPUs or --gpus is given; `omni plan` shows the full plan."""
+    from ..config import load_config, validate_config
     from ..errors import ConfigError
+    from .importpath import add_config_import_paths
 
+    add_config_import_paths(config)
+    warnings: tuple[str, ...] = ()
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, validate=False)
+        validate_config(cfg, source=config, import_factories=not shallow)
         if gpus is not None or _places_on_gpus(cfg):
             from ..plan import build_plan
             from ..plugins import get_registry
 
-            build_plan(cfg, get_registry(), gpus=gpus)
+            warnings = build_plan(cfg, get_registry(), gpus=gpus).warnings
     except ConfigError as exc:
         fail_config(exc, source=config, as_json=as_json)
     processes = {s.process or s.name for s in cfg.stages}
@@ -40,9 +47,12 @@ def validate(
         f"{len(processes)} process groups, entry {cfg.entry!r}, terminal {', '.join(cfg.terminal_stages)}"
     )
     if as_json:
-        print(json.dumps({"valid": True, "name": cfg.name, "stages": cfg.stage_names}, indent=2))
+        result = {"valid": True, "name": cfg.name, "stages": cfg.stage_names}
+        print(json.dumps({**result, "warnings": list(warnings)} if warnings else result, indent=2))
     else:
         print(summary)
+        for warning in warnings:
+            err.print(f"warning: {warning}", markup=False, highlight=False)
 
 
 def _places_on_gpus(cfg) -> bool:

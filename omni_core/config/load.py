@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import io
+import json
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ from .schema import (
     PlacementConfig,
     RelayConfig,
     RestartConfig,
+    ServeConfig,
     StageConfig,
 )
 
@@ -175,6 +177,16 @@ def _function_map(value: Any, _: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
+def _api_options(value: Any, _: Any) -> dict[str, dict[str, Any]]:
+    """``serve.options``: API name → that API's options (a mapping)."""
+    if not isinstance(value, Mapping):
+        raise _TypeMismatch("a mapping of API name to its options", value)
+    for key, val in value.items():
+        if not isinstance(val, Mapping):
+            raise _TypeMismatch(f"a mapping of options for API {key!r}", val)
+    return {str(k): dict(v) for k, v in value.items()}
+
+
 def _stage_list(conv: cattrs.Converter):
     items = conv.get_structure_hook(tuple[StageConfig, ...])
 
@@ -208,6 +220,12 @@ def _make_converter() -> cattrs.Converter:
     }
     for tp, hook in exact.items():
         conv.register_structure_hook_func(lambda t, tp=tp: t == tp, hook)
+    # One GPU id goes out as a single id, the form that means "consecutive GPUs" for a TP stage,
+    # so a config survives to_dict and back (a one-element list is an error for tp_size > 1).
+    conv.register_unstructure_hook_func(
+        lambda t: t == tuple[int, ...] | None,
+        lambda v: v if v is None else v[0] if len(v) == 1 else list(v),
+    )
     # Sections, leaves first: each generated hook binds the hooks of its fields when it is made.
     conv.register_structure_hook(RelayConfig, _section(conv, RelayConfig, "relay", shorthand="backend"))
     conv.register_structure_hook(LauncherConfig, _section(conv, LauncherConfig, "launcher", shorthand="name"))
@@ -215,6 +233,10 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(PlacementConfig, _section(conv, PlacementConfig, "strategy, gpus, ..."))
     conv.register_structure_hook(EndpointsConfig, _section(conv, EndpointsConfig, "ipc_dir, host, port_range"))
     conv.register_structure_hook(LimitsConfig, _section(conv, LimitsConfig, "max_in_flight, timeouts, ..."))
+    conv.register_structure_hook(
+        ServeConfig,
+        _section(conv, ServeConfig, "apis, options", options=cattrs.gen.override(struct_hook=_api_options)),
+    )
     conv.register_structure_hook(
         StageConfig,
         _section(
@@ -291,18 +313,41 @@ def structure(data: Mapping[str, Any], *, source: str | None = None) -> Pipeline
     if not isinstance(data, Mapping):
         raise ConfigError([ConfigIssue("", f"expected a mapping at the top level, got {_show(data)}")], source=source)
     try:
-        return converter.structure(dict(data), PipelineConfig)
+        cfg = converter.structure(dict(data), PipelineConfig)
     except Exception as exc:  # cattrs wraps everything it found in one exception group
         issues: list[ConfigIssue] = []
         _walk(exc, "", issues, data)
         raise ConfigError(issues, source=source) from None
+    issues = _gpu_list_issues(data)
+    if issues:
+        raise ConfigError(issues, source=source)
+    return cfg
+
+
+def _gpu_list_issues(data: Mapping[str, Any]) -> list[ConfigIssue]:
+    """A ``gpu`` *list* gives one id per rank, so it has ``tp_size`` entries; a single id
+    (``gpu: 2``, not a list) is the short form for consecutive GPUs starting there. The two
+    only differ in the file, hence this check on the raw data."""
+    issues = []
+    for i, raw in enumerate(data.get("stages") or ()):
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("gpu"), (list, tuple)):
+            continue
+        ids, tp_size = raw["gpu"], raw.get("tp_size", 1)
+        if len(ids) == 1 and isinstance(tp_size, int) and tp_size > 1:  # other lengths: validate.processes
+            issues.append(ConfigIssue(
+                f"stages[{i}].gpu",
+                f"{len(ids)} GPU id{'s' if len(ids) != 1 else ''} {list(ids)} for tp_size {tp_size}; a list gives one id per rank",
+                f"list {tp_size} ids, or write a single id without brackets (gpu: {ids[0] if ids else 0}) "
+                "for consecutive GPUs starting there",
+            ))
+    return issues
 
 
 # -- sources: files, mappings, registered names -------------------------------------------------
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a YAML (``.yaml``/``.yml``/``.json``) or TOML (``.toml``) file into a mapping."""
+    """Parse a YAML (``.yaml``/``.yml``), JSON (``.json``) or TOML (``.toml``) file into a mapping."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -315,7 +360,9 @@ def parse_config_text(text: str, *, suffix: str, source: str) -> dict[str, Any]:
     try:
         if suffix.lower() == ".toml":
             data = tomllib.loads(text)
-        elif suffix.lower() in (".yaml", ".yml", ".json"):
+        elif suffix.lower() == ".json":
+            data = _load_json(text, source)
+        elif suffix.lower() in (".yaml", ".yml"):
             stream = io.StringIO(text)
             stream.name = source  # PyYAML names it in parse errors
             data = yaml.load(stream, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
@@ -330,7 +377,19 @@ def parse_config_text(text: str, *, suffix: str, source: str) -> dict[str, Any]:
     return data
 
 
-#: File suffixes read as config files (``.json`` is read by the YAML parser).
+def _load_json(text: str, source: str) -> Any:
+    """Strict JSON (no trailing commas, no comments): a ``.json`` file is what JSON tools accept."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            [ConfigIssue("", f"cannot parse: line {exc.lineno} column {exc.colno}: {exc.msg}",
+                         "a .json config is strict JSON; use .yaml for comments and trailing commas")],
+            source=source,
+        ) from None
+
+
+#: File suffixes read as config files.
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
 

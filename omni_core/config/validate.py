@@ -18,7 +18,7 @@ import attrs
 
 from ..errors import ConfigError, ConfigIssue, PluginError
 from ..registry import Registry, import_ref, is_dotted_path, signature_text
-from .schema import PipelineConfig
+from .schema import PipelineConfig, StageConfig
 
 
 @attrs.define
@@ -26,6 +26,9 @@ class _Context:
     cfg: PipelineConfig
     registry: Registry
     issues: list[ConfigIssue] = attrs.Factory(list)
+    #: Import stage factories to check them against their signatures (``omni validate``; the
+    #: runtime planner never imports one).
+    import_factories: bool = False
 
     def add(self, path: str, message: str, hint: str | None = None) -> None:
         self.issues.append(ConfigIssue(path, message, hint))
@@ -348,9 +351,17 @@ def _resolvable(ctx: _Context, path: str, kind: str, ref: str | None) -> str | N
 INJECTED_ARGS = ("stage_name", "device", "gpu_id", "tp_rank", "tp_size", "tp_init_method")
 
 
-def _imported_factory(ctx: _Context, ref: str) -> Any:
-    """The factory object when it is already imported (registered as an object, or a dotted path
-    whose module is loaded); None otherwise: validation never imports a factory."""
+def _imported_factory(ctx: _Context, i: int) -> Any:
+    """The factory object of stage ``i`` when it can be had without side effects (registered as
+    an object, or a dotted path whose module is loaded), or by importing it when the context
+    says so (then an import failure is reported at ``stages[i].factory``); None otherwise."""
+    ref = ctx.cfg.stages[i].factory
+    if ctx.import_factories:
+        try:
+            return ctx.registry.resolve("stage", ref)
+        except PluginError as exc:
+            ctx.add(_sp(i, "factory"), str(exc), "check the module and attribute name, and that the module imports without error")
+            return None
     if is_dotted_path(ref):
         module, _, _ = ref.partition(":")
         if module not in sys.modules:
@@ -365,31 +376,40 @@ def _imported_factory(ctx: _Context, ref: str) -> Any:
     return entry.target
 
 
-def _factory_args(ctx: _Context, i: int) -> None:
-    """``args`` keys the factory does not accept, and required parameters nobody supplies."""
-    stage = ctx.cfg.stages[i]
-    factory = _imported_factory(ctx, stage.factory)
-    if factory is None:
-        return
+def factory_arg_issues(stage: StageConfig, path: str, factory: Any) -> list[ConfigIssue]:
+    """``args`` keys ``factory`` does not accept (with the closest parameter name) and the
+    required parameters nobody supplies, each at ``path`` (``stages[0]``) plus ``.args``.
+    Used by ``omni validate`` and by a stage process before it calls the factory."""
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
-        return
+        return []
     named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     shown = signature_text(factory)
+    issues = []
     if not takes_any:
         for key in stage.args:
             if key not in named:
-                guess = difflib.get_close_matches(str(key), list(named), n=1)
-                ctx.add(_sp(i, f"args.{key}"),
-                        f"factory {stage.factory!r} does not accept argument {key!r}"
-                        + (f" (did you mean {guess[0]!r}?)" if guess else ""),
-                        f"its signature is {shown}")
+                guess = difflib.get_close_matches(str(key), [n for n in named if n not in stage.args], n=1)
+                issues.append(ConfigIssue(
+                    f"{path}.args.{key}",
+                    f"factory {stage.factory!r} does not accept argument {key!r}"
+                    + (f" (did you mean {guess[0]!r}?)" if guess else ""),
+                    f"its signature is {shown}",
+                ))
     for name, param in named.items():
         if param.default is param.empty and name not in stage.args and name not in INJECTED_ARGS:
-            ctx.add(_sp(i, "args"), f"factory {stage.factory!r} needs argument {name!r}",
-                    f"add it under args; the signature is {shown}")
+            issues.append(ConfigIssue(f"{path}.args", f"factory {stage.factory!r} needs argument {name!r}",
+                                      f"add it under args; the signature is {shown}"))
+    return issues
+
+
+def _factory_args(ctx: _Context, i: int) -> None:
+    """``args`` keys the factory does not accept, and required parameters nobody supplies."""
+    factory = _imported_factory(ctx, i)
+    if factory is not None:
+        ctx.issues.extend(factory_arg_issues(ctx.cfg.stages[i], _sp(i), factory))
 
 
 @rule
@@ -439,21 +459,27 @@ def launch_options(cfg: PipelineConfig, ctx: _Context) -> None:
                 ctx.issues.extend(check(stage.launch, _sp(i, "launch")))
 
 
-def collect_issues(cfg: PipelineConfig, registry: Registry | None = None) -> list[ConfigIssue]:
-    """Every problem of ``cfg`` (empty when it is valid)."""
+def collect_issues(
+    cfg: PipelineConfig, registry: Registry | None = None, *, import_factories: bool = False
+) -> list[ConfigIssue]:
+    """Every problem of ``cfg`` (empty when it is valid). With ``import_factories``, stage
+    factories are imported and checked against their signatures (what ``omni validate`` does;
+    the runtime never imports a factory in the parent)."""
     if registry is None:
         from ..plugins import get_registry
 
         registry = get_registry()
-    ctx = _Context(cfg, registry)
+    ctx = _Context(cfg, registry, import_factories=import_factories)
     for check in RULES:
         check(cfg, ctx)
     return ctx.issues
 
 
-def validate_config(cfg: PipelineConfig, *, source: str | None = None, registry: Registry | None = None) -> None:
+def validate_config(
+    cfg: PipelineConfig, *, source: str | None = None, registry: Registry | None = None, import_factories: bool = False
+) -> None:
     """Raise one ConfigError listing every problem of ``cfg``; return None when it is valid."""
-    issues = collect_issues(cfg, registry)
+    issues = collect_issues(cfg, registry, import_factories=import_factories)
     if issues:
         raise ConfigError(issues, source=source)
 

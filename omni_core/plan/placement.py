@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from ..config.schema import PipelineConfig
-from ..errors import ConfigError, ConfigIssue
+from ..errors import ConfigError, ConfigIssue, PluginError
 from ..registry import Registry
 
 #: The share of a GPU a stage without ``memory`` counts as (``placement.options.default_memory``).
@@ -249,9 +249,20 @@ def simulated_devices(count: int, memory: int | None = None) -> tuple[Device, ..
     return tuple(Device(i, memory) for i in range(count))
 
 
+def cuda_driver_present() -> bool:
+    """Whether this machine could have a CUDA GPU at all: the NVIDIA driver's control device or
+    its library exists. False means no GPU for sure; True still needs torch to count them."""
+    import ctypes.util
+    import os
+
+    return os.path.exists("/dev/nvidiactl") or ctypes.util.find_library("cuda") is not None
+
+
 def detect_devices(memory_override: int | None = None) -> tuple[Device, ...]:
     """The GPUs torch can see (none on a CPU-only machine), numbered as torch numbers them, that
     is, as indexes into ``CUDA_VISIBLE_DEVICES`` when it is set."""
+    if not cuda_driver_present():
+        return ()  # without importing torch (seconds): a CPU machine plans and validates fast
     try:
         import torch
     except ImportError:  # pragma: no cover
@@ -269,11 +280,33 @@ def place(cfg: PipelineConfig, registry: Registry, devices: Sequence[Device]) ->
     (``replicas * tp_size`` ids per stage, replica-major); a ConfigError names stage and GPU."""
     strategy = registry.resolve("placement", cfg.placement.strategy)
     request = request_from_config(cfg, devices)
-    answer = strategy(request)
+    answer = _call_strategy(registry, cfg.placement.strategy, strategy, request)
     issues = check_placement(request, answer)
     if issues:
         raise ConfigError(issues)
     return normalize(request, answer)
+
+
+def _call_strategy(registry: Registry, name: str, strategy: Callable, request: PlacementRequest) -> Any:
+    """Run a strategy; an exception other than a ConfigError is a bug of the plugin that
+    registered it, and the error says which plugin and which strategy."""
+    try:
+        return strategy(request)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        owner = _owner(registry, "placement", name)
+        raise PluginError(
+            f"placement strategy {name!r}{owner} raised {type(exc).__name__}: {exc}; "
+            "this is a bug in the plugin (report it there), or choose another placement.strategy"
+        ) from exc
+
+
+def _owner(registry: Registry, kind: str, name: str) -> str:
+    try:
+        return f" of plugin {registry.get(kind, name).plugin!r}"
+    except Exception:  # a dotted path: no plugin registered it
+        return ""
 
 
 def normalize(request: PlacementRequest, answer: Mapping[str, Sequence[int | None]]) -> Placement:
@@ -298,12 +331,70 @@ def check_placement(request: PlacementRequest, answer: Mapping[str, Any]) -> lis
     issues = _visibility_issues(request, placement)
     if issues:
         return issues
+    issues = _pinned_issues(request, placement) + _capacity_issues(request, placement)
+    if issues:
+        return issues
     issues = _rank_issues(request, placement) + _process_issues(request, placement)
     try:
         loads = gpu_loads(request, placement)
     except ConfigError as exc:
         return issues + exc.issues
     return issues + [_budget_issue(request, load) for load in loads if load.over_by() > EPS]
+
+
+def _capacity_issues(request: PlacementRequest, placement: Placement) -> list[ConfigIssue]:
+    """A tensor-parallel stage with more ranks than the GPUs given is an error rather than
+    ranks that silently run on the CPU (what ``explicit`` does with a stage without ``gpu``).
+    A stage ``placement.options.cpu`` keeps on the CPU is exempt; so is everything when no GPU
+    is given. (Ranks a strategy doubles up on one GPU are reported by the rank check.)"""
+    if not request.devices:
+        return []
+    kept = _kept_on_cpu(request)
+    issues = []
+    for stage in request.stages:
+        on_cpu = all(gpu is None for gpu in placement[stage.name])
+        if stage.tp_size > len(request.devices) and on_cpu and stage.name not in kept:
+            given = len(request.devices)
+            issues.append(ConfigIssue(
+                request.path(stage.name, "tp_size"),
+                f"stage {stage.name!r} has tp_size {stage.tp_size} but only {_count(given, 'GPU')} "
+                f"{'is' if given == 1 else 'are'} given ({', '.join(f'GPU {d.index}' for d in request.devices)}); "
+                "each tensor-parallel rank needs a GPU of its own",
+                f"lower tp_size to at most {given}, or plan with more GPUs (--gpus / placement.gpus)",
+            ))
+    return issues
+
+
+def _kept_on_cpu(request: PlacementRequest) -> set[str]:
+    """The stages ``placement.options.cpu`` names (a name or a list; malformed: none)."""
+    kept = request.options.get("cpu", [])
+    if isinstance(kept, str):
+        return {kept}
+    return {k for k in kept if isinstance(k, str)} if isinstance(kept, (list, tuple)) else set()
+
+
+def _pinned_issues(request: PlacementRequest, placement: Placement) -> list[ConfigIssue]:
+    """A stage's ``gpu`` is the user's word: a strategy that moves it is wrong (checked when GPUs
+    are given; with none, every stage runs on the CPU and a warning says so)."""
+    if not request.devices:
+        return []
+    issues = []
+    for stage in request.stages:
+        if stage.gpu is None:
+            continue
+        wanted = pinned_ids(stage) * stage.replicas
+        got = tuple(placement[stage.name])
+        if got != wanted:
+            issues.append(ConfigIssue(
+                request.path(stage.name, "gpu"),
+                f"the placement strategy put stage {stage.name!r} on {_ids_text(got)}, but its 'gpu' says {_ids_text(wanted)}",
+                "a stage's gpu is never overridden; remove 'gpu' to let the strategy choose",
+            ))
+    return issues
+
+
+def _ids_text(ids: Sequence[int | None]) -> str:
+    return "[" + ", ".join("CPU" if i is None else str(i) for i in ids) + "]"
 
 
 def _is_id(value: Any) -> bool:
@@ -432,6 +523,7 @@ def placement_warnings(request: PlacementRequest, placement: Placement) -> list[
         *[w for load in loads if (w := _default_budget_warning(request, load))],
         *[w for load in loads for w in _tp_sharing_warnings(load)],
         *_no_gpu_warnings(request),
+        *_idle_gpu_warnings(request, placement, loads),
     ]
 
 
@@ -464,6 +556,22 @@ def _no_gpu_warnings(request: PlacementRequest) -> list[str]:
     if request.devices or not asking:
         return []
     return [f"no GPU is visible: {', '.join(asking)} run on the CPU despite their 'gpu' (plan with --gpus N to simulate GPUs)"]
+
+
+def _idle_gpu_warnings(request: PlacementRequest, placement: Placement, loads: Sequence[GpuLoad]) -> list[str]:
+    """GPUs left idle while stages run on the CPU that nothing keeps there: with ``explicit``
+    only stages with a ``gpu`` use one, which is rarely what a plan for N GPUs is meant to do.
+    Stages named in ``placement.options.cpu`` are on the CPU on purpose."""
+    idle = [load.device.index for load in loads if not load.holders]
+    kept = _kept_on_cpu(request)
+    on_cpu = [s.name for s in request.stages if s.name not in kept and all(g is None for g in placement[s.name])]
+    if not idle or not on_cpu:
+        return []
+    gpus = ", ".join(str(i) for i in idle)
+    return [
+        f"{_count(len(idle), 'GPU')} idle ({gpus}) while {', '.join(on_cpu)} run on the CPU; give those stages "
+        "'gpu: N', or use placement strategy 'pack' or 'spread' (placement.options.cpu keeps a stage on the CPU)"
+    ]
 
 
 # -- the built-in strategies ---------------------------------------------------------------------

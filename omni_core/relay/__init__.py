@@ -1,5 +1,9 @@
 """Relays move tensors between stage processes; see :mod:`omni_core.relay.base` for the protocol."""
 
-from .base import Relay, RelayCapabilities, RelayContext, Transfer
+from .base import InvalidHandle, Relay, RelayCapabilities, RelayContext, RelayError, Transfer
+from .lifetime import detach, lent_storages, storage_key
 
-__all__ = ["Relay", "RelayCapabilities", "RelayContext", "Transfer"]
+__all__ = [
+    "InvalidHandle", "Relay", "RelayCapabilities", "RelayContext", "RelayError", "Transfer",
+    "detach", "lent_storages", "storage_key",
+]

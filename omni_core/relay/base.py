@@ -17,7 +17,11 @@ Contracts every relay keeps (``omni_core.testing.relay_conformance`` checks them
   ``target`` are exhausted, and raises :class:`RelayTimeout` when none came back in time; it never
   buffers without bound.
 - ``get`` returns tensors with the dtype, shape and values that were put (contiguous, in order).
-  They may be zero-copy views into relay memory that stay valid until ``release``.
+  They may be zero-copy views into relay memory that stay valid until ``release``; ``owns(tensor)``
+  says which (the runtime copies those out of anything that outlives the call, see
+  :mod:`omni_core.relay.lifetime`). ``get`` validates the handle before it opens, maps or allocates
+  anything it names, and raises :class:`InvalidHandle` for a forged or corrupted one
+  (:mod:`omni_core.relay.checks`).
 - ``release`` frees the sender's slot or credit; ``cleanup(request_id)`` frees everything still
   held for an aborted or failed request, on either side; both are idempotent.
 - ``close`` frees every resource the relay holds in this process; nothing outlives it (no shm
@@ -34,6 +38,16 @@ from typing import Any, ClassVar
 import attrs
 
 from ..errors import OmniError
+
+
+class RelayError(OmniError):
+    """A relay transfer failed; it fails the request it belongs to, and the relay goes on."""
+
+
+class InvalidHandle(RelayError, ValueError):
+    """A received handle (or its frames) failed validation: it names a resource outside this run,
+    a size beyond its buffer or its declared tensors, or is malformed. Nothing it named was opened
+    or allocated; the request it came with fails, the relay keeps working."""
 
 
 class RelayTimeout(OmniError, TimeoutError):
@@ -95,6 +109,22 @@ class Relay(abc.ABC):
     @abc.abstractmethod
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[Any]:
         """The tensors a ``put`` sent, on the receiving process."""
+
+    def owns(self, tensor: Any) -> bool:
+        """Whether ``tensor``, as returned by this relay's ``get``, views memory the relay reuses
+        (or frees) after ``release``: a stage that keeps it past its call must get a copy.
+
+        The default is conservative: a relay that overrides ``release`` owns every non-empty
+        tensor it returned, whatever its device. Relays whose received tensors are the
+        receiver's own (``inline``: views of received frames) say False."""
+        return type(self).release is not Relay.release and bool(tensor.numel())
+
+    def debug_state(self) -> dict[str, int]:
+        """Per-request entries this relay holds in this process, by table (received transfers
+        not released, credits held toward receivers, transfers parked for a later ``get``). All
+        zero once no request is in flight; for tests and diagnostics
+        (``Pipeline.debug_state``)."""
+        return {}
 
     def release(self, handle: bytes) -> None:  # noqa: B027 - optional for relays without slots
         """The receiver is done with the tensors of ``handle``."""

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
-from .base import Relay, RelayCapabilities, Transfer
+from .base import InvalidHandle, Relay, RelayCapabilities, Transfer
 
 # Received frames are ours alone (zmq hands each receiver its own buffer), so a tensor viewing one
 # may be written to; torch's warning about non-writable buffers does not apply.
@@ -63,7 +63,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor viewing ``buf`` (no copy)."""
-    if len(memoryview(buf)) == 0:
+    if memoryview(buf).nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).view(tuple(shape))
@@ -75,6 +75,26 @@ def inline_transfer(tensors: Sequence[torch.Tensor]) -> Transfer:
     returned (a stage reusing an output buffer, a relay slot being released)."""
     meta = _Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
     return Transfer(_encode(meta), [tensor_bytes(t).tobytes() for t in tensors])
+
+
+def inline_tensors(handle: bytes, frames: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors of an ``inline_transfer``, after checking the handle against the frames: one
+    frame per declared tensor, each exactly its dtype times shape in bytes (so a forged handle
+    can neither read past a frame nor make this process allocate what it declares)."""
+    from .checks import decode, tensor_specs
+
+    meta = decode(_decode, handle, "inline")
+    specs = tensor_specs(meta.dtypes, meta.shapes, "inline")
+    if len(frames) != len(specs):
+        raise InvalidHandle(f"inline relay: {len(frames)} frames for {len(specs)} tensors")
+    out = []
+    for i, (frame, (dtype, shape, nbytes)) in enumerate(zip(frames, specs, strict=True)):
+        size = memoryview(frame).nbytes
+        if size != nbytes:
+            raise InvalidHandle(f"inline relay: frame {i} holds {size} bytes but its tensor "
+                                f"({dtype_name(dtype)} {list(shape)}) needs {nbytes}")
+        out.append(tensor_from_buffer(frame, dtype, shape))
+    return out
 
 
 class InlineRelay(Relay):
@@ -89,10 +109,7 @@ class InlineRelay(Relay):
         return inline_transfer(tensors)
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
-        meta = _decode(handle)
-        if len(frames) != len(meta.dtypes):
-            raise ValueError(f"inline relay: {len(frames)} frames for {len(meta.dtypes)} tensors")
-        return [
-            tensor_from_buffer(frame, dtype_from_name(dt), shape)
-            for frame, dt, shape in zip(frames, meta.dtypes, meta.shapes, strict=True)
-        ]
+        return inline_tensors(handle, frames)
+
+    def owns(self, tensor: Any) -> bool:
+        return False  # views of received frames, which belong to this process alone

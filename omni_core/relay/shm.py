@@ -46,14 +46,17 @@ import attrs
 import msgspec
 import torch
 
-from .base import Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
+from . import checks
+from .base import InvalidHandle, Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
 from .inline import _DTYPES, dtype_from_name, dtype_name
 from .shm_segment import (
     ONEOFF,
     Segment,
     ShmRelayError,
     clean,
+    parse_name,
     process_alive,
+    run_token,
     segment_name,
     sweep,
 )
@@ -364,24 +367,49 @@ class ShmRelay(Relay):
         if self._closed:
             raise ShmRelayError("shm relay: get after close")
         key = bytes(handle)
-        h = _decode(key)
+        h = checks.decode(_decode, key, "shm")
+        specs = checks.tensor_specs(h.dtypes, h.shapes, "shm", ("offsets", h.offsets))
         if not h.segment:
-            return [torch.empty(tuple(s), dtype=dtype_from_name(d)) for d, s in zip(h.dtypes, h.shapes, strict=True)]
-        seg = self._map(h.segment)
-        if seg.issued(h.slot) != h.ticket:
+            checks.no_bytes(specs, "shm")
+            return [torch.empty(shape, dtype=dtype) for dtype, shape, _ in specs]
+        seg = self._map(self._check_name(h.segment))
+        checks.index(h.slot, seg.slots, "shm", "slot")
+        if type(h.base) is not int or h.base != h.slot * seg.slot_bytes:
+            raise InvalidHandle(f"shm relay: handle's span starts at byte {h.base!r}, not at its "
+                                f"slot {h.slot} of {seg.slot_bytes} bytes")
+        checks.spans(specs, h.offsets, seg.slots * seg.slot_bytes - h.base, "shm",
+                     f"segment {h.segment} from its slot {h.slot}")
+        if type(h.ticket) is not int or h.ticket <= 0 or seg.issued(h.slot) != h.ticket:
             raise ShmRelayError(
                 f"shm relay: handle of request {h.request_id} is stale: its sender reclaimed the "
                 "slot (the request was cleaned up or aborted)"
             )
         storage = seg.data.untyped_storage()
         out = []
-        for dt, shape, offset in zip(h.dtypes, h.shapes, h.offsets, strict=True):
-            dtype = dtype_from_name(dt)
+        for (dtype, shape, _), offset in zip(specs, h.offsets, strict=True):
             # A view of the pool's storage (offsets are 64-aligned, so in whole elements).
             out.append(torch.empty(0, dtype=dtype).set_(
-                storage, (h.base + offset) // dtype.itemsize, tuple(shape)))
+                storage, (h.base + offset) // dtype.itemsize, shape))
         self._held[key] = h.request_id
         return out
+
+    def _check_name(self, name: Any) -> str:
+        """``name`` if it is a segment of this run (a plain name, this run's prefix, a live
+        segment of this relay's format); :class:`InvalidHandle` otherwise: a forged name must not
+        open or map any other file."""
+        prefix = f"omni-{run_token(self.ctx.run_id)}-p"
+        checks.resource_name(name, prefix, "shm", "segment")
+        parsed = parse_name(name)
+        if parsed is None or parsed[0] != run_token(self.ctx.run_id):
+            raise InvalidHandle(f"shm relay: handle names segment {name!r}, which is not one of "
+                                "this run's")
+        return name
+
+    def owns(self, tensor: Any) -> bool:
+        """Tensors viewing a mapped segment: the slot is reused once released."""
+        if not tensor.numel() or tensor.device.type != "cpu":
+            return False
+        return any(seg.data is not None and seg.contains(tensor) for seg in self._maps.values())
 
     def _map(self, name: str) -> Segment:
         seg = self._maps.get(name)
@@ -395,20 +423,36 @@ class ShmRelay(Relay):
     def release(self, handle: bytes) -> None:
         key = bytes(handle)
         self._held.pop(key, None)
-        h = _decode(key)
+        try:
+            h = _decode(key)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # never a handle of ours: get refused it
         if not h.segment or self._closed:
             return
         seg = self._maps.get(h.segment)
         if seg is None:
             try:
-                seg = self._map(h.segment)
+                seg = self._map(self._check_name(h.segment))
             except ShmRelayError:
                 return  # the sender already dropped it
+            except InvalidHandle:
+                return
+        if type(h.slot) is not int or not 0 <= h.slot < seg.slots:
+            return
         seg.release(h.slot, h.ticket)
         if seg.kind == ONEOFF:
             self._maps.pop(h.segment).close()
 
     # -- both -----------------------------------------------------------------------------------
+
+    def debug_state(self) -> dict[str, int]:
+        for pool in self._pools.values():
+            pool._reclaim()
+        for big in self._oneoffs.values():
+            big.reclaim()
+        return {"received": len(self._held),
+                "sent": sum(len(p.spans) for p in self._pools.values())
+                + sum(len(b.live) for b in self._oneoffs.values())}
 
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, rid in self._held.items() if rid == request_id]:

@@ -31,7 +31,7 @@ import re
 import numpy as np
 import torch
 
-from ..errors import OmniError
+from .base import RelayError
 from .liveness import process_alive, process_start_time  # noqa: F401 - re-exported
 
 SHM_DIR = "/dev/shm"
@@ -45,7 +45,7 @@ _W_TICKETS = 16
 _NAME_RE = re.compile(r"^omni-(?P<run>.+)-p(?P<pid>\d+)-(?P<tag>[A-Za-z0-9_.]+)$")
 
 
-class ShmRelayError(OmniError):
+class ShmRelayError(RelayError):
     """A shared-memory segment could not be created, opened or used."""
 
 
@@ -93,6 +93,10 @@ class Segment:
         self.slots = int.from_bytes(mm[_W_SLOTS * 8 : _W_SLOTS * 8 + 8], "little")
         self.slot_bytes = int.from_bytes(mm[_W_SLOT_BYTES * 8 : _W_SLOT_BYTES * 8 + 8], "little")
         data_offset = int.from_bytes(mm[_W_DATA * 8 : _W_DATA * 8 + 8], "little")
+        if (data_offset < (_W_TICKETS + 2 * self.slots) * 8
+                or data_offset + self.slots * self.slot_bytes > len(mm)):
+            mm.close()
+            raise ShmRelayError(f"shm relay: /dev/shm/{name} has a header that does not fit its size")
         self.words = memoryview(mm)[:data_offset].cast("q")
         # Through numpy: its array holds a buffer export on the mmap for as long as any tensor
         # views it, so close() cannot unmap memory still in use (torch.frombuffer holds none).
@@ -138,8 +142,10 @@ class Segment:
     def open(cls, name: str) -> Segment:
         """Map an existing segment (a receiver's view of a sender's segment)."""
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        except FileNotFoundError:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                raise ShmRelayError(f"shm relay: cannot open segment {name}: {exc.strerror}") from None
             raise ShmRelayError(
                 f"shm relay: segment {name} is gone; its sender closed or was cleaned up "
                 "(request aborted, sender restarted or the pipeline stopping)"

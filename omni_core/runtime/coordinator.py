@@ -20,6 +20,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from .. import tracing
 from ..config.schema import PipelineConfig
 from ..errors import (
     OmniError,
@@ -44,12 +45,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Coordinator:
-    """Requests in flight of one running pipeline."""
+    """Requests in flight of one running pipeline. ``runner`` (set by the owner before start)
+    sends for it and says whether the pipeline runs."""
 
-    def __init__(self, config: PipelineConfig, registry: Registry, runner: Runner):
+    runner: Runner
+
+    def __init__(self, config: PipelineConfig, registry: Registry):
         self.config = config
         self.registry = registry
-        self.runner = runner
         self.log = get_logger(pipeline=config.name)
         self.requests: dict[int, Request] = {}  # in rid order: the first is the oldest in flight
         self.by_id: dict[str, int] = {}
@@ -156,10 +159,11 @@ class Coordinator:
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         if tensors:
             transfer = await self._caller_relay().put(req.rid, tensors, leaders[0])
-            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames))
+            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames),
+                            trace=tracing.traceparent())
             await runner.outbox.send(address, msg, transfer.frames)
         else:
-            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton))
+            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton, trace=tracing.traceparent()))
 
     # -- the caller's API ------------------------------------------------------------------------
 
@@ -194,7 +198,7 @@ class Coordinator:
                 if item is None:
                     break
                 event, origin = item
-                self._read(req, event.stage, origin, req.events.empty())
+                self._read(req, event.stage, origin)
                 yield event
             yield Event("result", None if req.multi else next(iter(req.expected), None), await req.future)
         finally:
@@ -211,11 +215,12 @@ class Coordinator:
         self.finish(req, error=RequestAborted(f"request {request_id!r} was aborted", request_id=request_id))
         return True
 
-    def _read(self, req: Request, stage: str, origin: str, caught_up: bool) -> None:
-        """The caller consumed one chunk of ``stage``'s stream: its credit goes back (batched)."""
+    def _read(self, req: Request, stage: str, origin: str) -> None:
+        """The caller consumed one chunk of ``stage``'s stream: its credit goes back (batched,
+        as in :class:`~.flow.StreamBuffer`)."""
         key = (stage, origin)
         owed = req.owed.get(key, 0) + 1
-        if owed >= self._batch or caught_up:
+        if owed >= self._batch:
             req.owed[key] = 0
             address = self.runner.addresses.get(origin)
             if address is not None and req.rid in self.requests:
@@ -271,7 +276,7 @@ class Coordinator:
             if req.events is not None:
                 req.events.put_nowait((Event("chunk", msg.stage, payload), msg.origin))
             else:  # nobody reads chunks of a submitted request: their credit comes back at once
-                self._read(req, msg.stage, msg.origin, False)
+                self._read(req, msg.stage, msg.origin)
         else:
             self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
 
@@ -314,11 +319,18 @@ class Coordinator:
         floor = self.floor
         behind = floor < self._next_rid  # some requests are still in flight
         if error is not None:
+            if not isinstance(error, RequestAborted):
+                self.log.info("request failed", request_id=req.request_id, error=type(error).__name__,
+                                 stage=getattr(error, "stage", None) or getattr(error, "process", None),
+                                 reason=getattr(error, "reason", None) or str(error).split("\n", 1)[0])
+            else:
+                self.log.debug("request aborted", request_id=req.request_id)
             self.runner.broadcast(wire.Abort(req.rid, floor))
             self._behind = set(self.runner.addresses) if behind else set()
             if not req.future.done():
                 req.future.set_exception(error)
         else:
+            self.log.debug("request done", request_id=req.request_id)
             if self._stateful:
                 self.runner.broadcast(wire.Forget(req.rid, floor), self._stateful)
                 if behind:

@@ -81,6 +81,9 @@ class Windows:
     def __len__(self) -> int:
         return len(self._windows)
 
+    def requests(self) -> set[int]:
+        return {key[0] for key in self._windows}
+
     def get(self, rid: int, src: str, dst: str) -> Window:
         key = (rid, src, dst)
         window = self._windows.get(key)
@@ -141,18 +144,18 @@ class StreamBuffer:
             self._held = None
         if self.grant is None:
             return
+        # Credits go back in batches of a quarter of the window: a producer waits only when its
+        # reader is at least three quarters of a window behind, and a reader that keeps up costs
+        # one credit message per batch, not one per chunk.
         self._owed += 1
-        if self._owed >= self._batch or not self.chunks:
+        if self._owed >= self._batch:
             owed, self._owed = self._owed, 0
             self.grant(owed, False)
 
-    def _flush(self) -> None:
+    def _release_held(self) -> None:
         if self._held is not None:
             self._held.release()
             self._held = None
-        if self._owed and self.grant is not None:
-            owed, self._owed = self._owed, 0
-            self.grant(owed, False)
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         taken = False
@@ -168,7 +171,7 @@ class StreamBuffer:
                 taken = False
             if self.ended:
                 return
-            self._flush()
+            self._release_held()
             self.event.clear()
             await self.event.wait()
 

@@ -39,7 +39,7 @@ class Pipeline:
         self.registry = registry if registry is not None else get_registry()
         self.log = get_logger(pipeline=self.config.name)
         self.plan: Plan | None = None
-        self.coordinator = Coordinator(self.config, self.registry, runner=None)  # type: ignore[arg-type]
+        self.coordinator = Coordinator(self.config, self.registry)
         self.runner = Runner(
             self.config, self.registry,
             on_request_message=self.coordinator.on_message,

@@ -206,7 +206,7 @@ class Runner:
                 cwd=os.getcwd(),
             )
         for edge in plan.edges:
-            self.log.debug("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
+            self.log.info("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
         deadline = time.monotonic() + cfg.limits.startup_timeout
         for name in self.boots:
             self._launch(name)
@@ -263,6 +263,7 @@ class Runner:
             fut = self._ready.get(msg.process)
             if fut is not None and not fut.done():
                 self._heard[msg.process] = time.monotonic()
+                self.log.info("process ready", process=msg.process, pid=msg.pid)
                 fut.set_result(msg.pid)
         elif isinstance(msg, wire.StartFailed):
             fut = self._ready.get(msg.process)

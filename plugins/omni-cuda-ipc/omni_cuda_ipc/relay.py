@@ -56,8 +56,15 @@ from typing import Any
 import attrs
 import msgspec
 import torch
-from omni_core.errors import OmniError
-from omni_core.relay.base import Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
+from omni_core.relay import checks
+from omni_core.relay.base import (
+    Relay,
+    RelayCapabilities,
+    RelayContext,
+    RelayError,
+    RelayTimeout,
+    Transfer,
+)
 from omni_core.relay.inline import dtype_from_name, dtype_name
 
 from .ledger import Ledger, LedgerError, process_alive
@@ -71,9 +78,10 @@ _MAX_SLEEP_S = 5e-3
 _DEAD_GRACE_S = 1.0
 _HEALTH_EVERY_S = 0.2
 _NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE: the unused event argument of _new_shared_cuda
+_COUNTER = re.compile(rb"/torch_[A-Za-z0-9_]{1,200}")  # torch's reference-count file names
 
 
-class CudaIpcRelayError(OmniError):
+class CudaIpcRelayError(RelayError):
     """A transfer of the ``cuda_ipc`` relay failed; the message says which and why."""
 
 
@@ -140,6 +148,36 @@ def check_tensors(tensors: Sequence[Any]) -> torch.device | None:
         dtype_from_name(dtype_name(t.dtype))  # unsupported dtypes fail here
         device = device or t.device
     return device
+
+
+def check_handle(handle: bytes, run_id: str) -> _Handle:
+    """The decoded handle, after the checks that need no GPU (see :mod:`omni_core.relay.checks`):
+    its link is a plain ledger name of this run, one share per declared tensor (None exactly for
+    the empty ones), each share large enough for its tensor."""
+    h = checks.decode(_decode, handle, "cuda_ipc")
+    specs = checks.tensor_specs(h.dtypes, h.shapes, "cuda_ipc", ("shares", h.shared))
+    if not h.link:
+        checks.no_bytes(specs, "cuda_ipc")
+        return h
+    checks.resource_name(h.link, f"cuda_ipc.{_clean(run_id, 60)}.", "cuda_ipc", "link")
+    if len(h.event) != len(_NO_EVENT):
+        raise checks.InvalidHandle(f"cuda_ipc relay: the event handle has {len(h.event)} bytes")
+    for i, ((dtype, _, nbytes), shared) in enumerate(zip(specs, h.shared, strict=True)):
+        if shared is None:
+            if nbytes:
+                raise checks.InvalidHandle(f"cuda_ipc relay: tensor {i} has {nbytes} bytes but no share")
+            continue
+        if len(shared.handle) != len(_NO_EVENT) or not _COUNTER.fullmatch(shared.counter):
+            # torch opens the counter by name (a shared-memory file): only its own names pass.
+            raise checks.InvalidHandle(f"cuda_ipc relay: tensor {i} has an invalid share "
+                                       f"(memory handle of {len(shared.handle)} bytes, counter "
+                                       f"{shared.counter[:80]!r})")
+        if (min(shared.size, shared.offset, shared.tensor_offset, shared.counter_offset) < 0
+                or shared.tensor_offset * dtype.itemsize + nbytes > shared.size):
+            raise checks.InvalidHandle(
+                f"cuda_ipc relay: tensor {i} ({nbytes} bytes at element {shared.tensor_offset}) "
+                f"exceeds its shared storage ({shared.size} bytes)")
+    return h
 
 
 def _clean(text: str, limit: int) -> str:
@@ -465,11 +503,12 @@ class CudaIpcRelay(Relay):
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
         key = bytes(handle)
-        h = _decode(key)
+        h = check_handle(key, self.ctx.run_id)
         local = torch.device("cuda", torch.cuda.current_device())
         if not h.link:
             return [torch.empty(tuple(s), dtype=dtype_from_name(d), device=local) for d, s in zip(h.dtypes, h.shapes, strict=True)]
         peer = self._peer(h)
+        checks.index(h.slot, peer.ledger.credits, "cuda_ipc", "slot")
         if not peer.ledger.claim(h.slot, h.ticket):
             raise CudaIpcRelayError(f"cuda_ipc relay: handle of request {h.request_id} is stale: its "
                                     "sender cleaned the request up (aborted or failed) or it was taken")
@@ -554,6 +593,19 @@ class CudaIpcRelay(Relay):
                                     "its relay or died, and its memory with it")
         return peer
 
+    def owns(self, tensor: Any) -> bool:
+        """Every received CUDA tensor: on one GPU it views the sender's allocation (reused by the
+        sender once released, and not shareable again from here), across GPUs a pooled buffer."""
+        if not tensor.numel() or tensor.device.type != "cuda":
+            return False
+        ptr = tensor.untyped_storage().data_ptr()
+        for held in self._held.values():
+            if held.buffer is not None and held.buffer.untyped_storage().data_ptr() == ptr:
+                return True
+            if any(t.untyped_storage().data_ptr() == ptr for t in held.keep):
+                return True
+        return False
+
     def release(self, handle: bytes) -> None:
         held = self._held.pop(bytes(handle), None)
         if held is None:
@@ -564,6 +616,11 @@ class CudaIpcRelay(Relay):
         held.peer.ledger.release(held.slot, held.ticket)
 
     # -- both -----------------------------------------------------------------------------------
+
+    def debug_state(self) -> dict[str, int]:
+        for credits in self._credits.values():
+            credits.reclaim()
+        return {"received": len(self._held), "sent": sum(len(c.held) for c in self._credits.values())}
 
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, held in self._held.items() if held.request_id == request_id]:

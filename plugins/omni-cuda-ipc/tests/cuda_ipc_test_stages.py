@@ -27,3 +27,12 @@ class Scale:
 class ToHost:
     def __call__(self, payload, ctx):
         return {"n": payload["n"], "x": payload["x"].cpu(), "was_cuda": payload["x"].is_cuda}
+
+
+class Echo:
+    """Returns what it received, as it is, plus a slice of it: tensors that view relay memory
+    (the sender's CUDA allocation, or a pooled buffer) leave the stage."""
+
+    def __call__(self, payload, ctx):
+        assert payload["x"].is_cuda, "the tensor arrived on the host"
+        return {**payload, "head": payload["x"][:3]}

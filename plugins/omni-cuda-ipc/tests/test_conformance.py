@@ -11,8 +11,7 @@ from omni_core.testing.relay_conformance import RelayConformance
 
 from omni_cuda_ipc.relay import CudaIpcRelay
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="cuda_ipc moves CUDA tensors: the conformance kit needs a CUDA device")
+pytestmark = pytest.mark.cuda(reason="cuda_ipc moves CUDA tensors: the conformance kit needs a CUDA device")
 
 
 class KitCudaIpcRelay(CudaIpcRelay):

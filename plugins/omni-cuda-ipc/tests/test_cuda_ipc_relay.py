@@ -23,7 +23,7 @@ from omni_cuda_ipc.relay import CudaIpcRelay, _decode, _encode
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc moves CUDA tensors: needs a CUDA device"),
+    pytest.mark.cuda(reason="cuda_ipc moves CUDA tensors"),
 ]
 
 OPTIONS = {"credits": 4, "timeout": 1.0}
@@ -162,8 +162,7 @@ def test_dead_receiver_fails_put_and_its_credits_come_back_with_cleanup(make):
 
 # -- two GPUs ---------------------------------------------------------------------------------
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="a peer copy needs two CUDA devices")
+@pytest.mark.cuda(devices=2, reason="a peer copy needs two CUDA devices")
 def test_across_gpus_the_receiver_gets_a_copy_on_its_own_gpu(make):
     torch.cuda.set_device(0)
     sender, receiver = make.relay("a"), make.peer("b")

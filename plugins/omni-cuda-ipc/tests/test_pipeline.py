@@ -12,7 +12,7 @@ from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
 pytestmark = [
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc moves CUDA tensors: needs a CUDA device"),
+    pytest.mark.cuda(reason="cuda_ipc moves CUDA tensors"),
     pytest.mark.usefixtures("no_leaks"),
 ]
 
@@ -49,8 +49,7 @@ def test_cuda_tensors_cross_gpu_stage_processes_on_one_gpu():
         assert torch.equal(result["x"], tensor(n) * 6)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="a peer copy needs two CUDA devices")
+@pytest.mark.cuda(devices=2, reason="a peer copy needs two CUDA devices")
 def test_cuda_tensors_cross_stage_processes_on_two_gpus():
     for n, result in enumerate(run_chain(config((0, 1, 0)), 8)):
         assert torch.equal(result["x"], tensor(n) * 6)

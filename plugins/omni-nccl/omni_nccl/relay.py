@@ -64,8 +64,15 @@ from typing import Any
 import attrs
 import msgspec
 import torch
-from omni_core.errors import OmniError
-from omni_core.relay.base import Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
+from omni_core.relay import checks
+from omni_core.relay.base import (
+    Relay,
+    RelayCapabilities,
+    RelayContext,
+    RelayError,
+    RelayTimeout,
+    Transfer,
+)
 from omni_core.relay.inline import dtype_from_name, dtype_name
 
 from .ledger import Ledger, LedgerError, process_alive
@@ -82,7 +89,7 @@ _POLL_MIN_S, _POLL_MAX_S = 2e-3, 50e-3
 _TAG_MASK = 0x3FFFFFFF
 
 
-class NcclRelayError(OmniError):
+class NcclRelayError(RelayError):
     """A transfer of the ``nccl`` relay failed; the message names the link and the reason."""
 
 
@@ -769,11 +776,23 @@ class NcclRelay(Relay):
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
         key = bytes(handle)
-        h = _decode(key)
+        h = checks.decode(_decode, key, "nccl")
+        specs = checks.tensor_specs(h.dtypes, h.shapes, "nccl", ("offsets", h.offsets), ("host flags", h.host))
         if not h.link:
-            return [torch.empty(tuple(s), dtype=dtype_from_name(d), device=self._device_for(host, None))
-                    for d, s, host in zip(h.dtypes, h.shapes, h.host, strict=True)]
+            checks.no_bytes(specs, "nccl")
+            return [torch.empty(shape, dtype=dtype, device=self._device_for(host, None))
+                    for (dtype, shape, _), host in zip(specs, h.host, strict=True)]
+        checks.resource_name(h.link, f"nccl.{_clean(self.ctx.run_id, 60)}.", "nccl", "link")
+        if type(h.nbytes) is not int or h.nbytes < 0:
+            raise checks.InvalidHandle(f"nccl relay: handle declares {h.nbytes!r} bytes")
+        checks.spans(specs, h.offsets, h.nbytes, "nccl", "the transfer")
         link = self._recv_link(h)
+        checks.index(h.slot, link.ledger.credits, "nccl", "slot")
+        if type(h.seq) is not int or h.seq < 1 or link.ledger.entry(h.seq) is None and h.seq >= link.next:
+            # The sender posts a transfer's ring entry before put returns, so a real handle's
+            # sequence number is always posted by the time its message arrives.
+            raise checks.InvalidHandle(f"nccl relay: handle names transfer {h.seq!r} of "
+                                       f"{link.describe()}, which its sender never posted")
         arrival = await asyncio.wrap_future(link.request(h.seq))
         if (arrival.slot, arrival.ticket, arrival.nbytes) != (h.slot, h.ticket, h.nbytes):
             link.release(arrival)
@@ -784,16 +803,23 @@ class NcclRelay(Relay):
             raise NcclRelayError(f"nccl relay: handle of request {h.request_id} is stale: its sender "
                                  "cleaned the request up (aborted or failed)")
         out = []
-        for dt, shape, offset, host in zip(h.dtypes, h.shapes, h.offsets, h.host, strict=True):
-            dtype = dtype_from_name(dt)
-            size = dtype.itemsize * _numel(shape)
+        for (dtype, shape, size), offset, host in zip(specs, h.offsets, h.host, strict=True):
             if size == 0:
-                out.append(torch.empty(tuple(shape), dtype=dtype, device=self._device_for(host, link)))
+                out.append(torch.empty(shape, dtype=dtype, device=self._device_for(host, link)))
                 continue
-            view = arrival.buffer[offset : offset + size].view(dtype).view(tuple(shape))
+            view = arrival.buffer[offset : offset + size].view(dtype).view(shape)
             out.append(view.cpu() if host and view.device.type != "cpu" else view)
         self._held[key] = (link, arrival, h.request_id)
         return out
+
+    def owns(self, tensor: Any) -> bool:
+        """Views of a held arrival's buffer: CPU buffers go back to the link's pool at release;
+        a CUDA buffer is the receiver's own, dropped at release (a view keeps it alive)."""
+        if not tensor.numel():
+            return False
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(link.pool is not None and arrival.buffer.untyped_storage().data_ptr() == ptr
+                   for link, arrival, _ in self._held.values())
 
     def _device_for(self, host: bool, link: _RecvLink | None):
         if host:
@@ -827,6 +853,16 @@ class NcclRelay(Relay):
             held[0].release(held[1])
 
     # -- both -----------------------------------------------------------------------------------
+
+    def debug_state(self) -> dict[str, int]:
+        parked = 0
+        for link in self._rlinks.values():
+            with link.cond:
+                parked += len(link.stash)
+        for credits in self._credits.values():
+            credits.reclaim()
+        return {"received": len(self._held), "parked": parked,
+                "sent": sum(len(c.held) for c in self._credits.values())}
 
     def cleanup(self, request_id: int) -> None:
         for key in [k for k, (_, _, rid) in self._held.items() if rid == request_id]:

@@ -378,10 +378,7 @@ async def get_devices(state: PeerState, handle: bytes) -> list:
     return out
 
 
-needs_two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="NCCL needs a GPU per rank: these tests need two CUDA devices",
-)
+needs_two_gpus = pytest.mark.cuda(devices=2, reason="NCCL needs a GPU per rank")
 
 
 @needs_two_gpus
