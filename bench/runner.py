@@ -12,13 +12,15 @@ from typing import Any
 
 from . import common
 
-SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale", "serve")
+SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale", "serve", "ray")
+#: Scenarios whose module is not named after them (``bench.ray`` would read as the ray package).
+MODULES = {"ray": "ray_launcher"}
 
 
 def scenario_module(name: str) -> Any:
     if name not in SCENARIOS:
         raise SystemExit(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
-    return importlib.import_module(f"bench.{name}")
+    return importlib.import_module(f"bench.{MODULES.get(name, name)}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

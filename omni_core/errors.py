@@ -109,6 +109,7 @@ class ProcessDied(RequestError):
         signal: str | None = None,
         request_id: str | None = None,
         stages: tuple[str, ...] = (),
+        reason: str | None = None,
     ):
         self.process = process
         self.name = process
@@ -116,7 +117,8 @@ class ProcessDied(RequestError):
         self.exitcode = exitcode
         self.signal = signal
         self.stages = stages
-        how = f"killed by {signal}" if signal else f"exit code {exitcode}"
+        self.reason = reason
+        how = reason or (f"killed by {signal}" if signal else f"exit code {exitcode}")
         hosted = f" (stages: {', '.join(stages)})" if stages else ""
         what = f"request {request_id!r} failed: " if request_id else ""
         super().__init__(

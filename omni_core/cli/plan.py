@@ -29,6 +29,15 @@ def plan(
         typer.Option("--gpus", min=0, metavar="N",
                      help="Plan for N simulated GPUs (default: placement.gpus, else the GPUs torch sees)."),
     ] = None,
+    launcher: Annotated[
+        str | None,
+        typer.Option("--launcher", metavar="NAME", help="Plan for this launcher instead of the config's (e.g. ray)."),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option("--cluster", metavar="FILE",
+                     help="A cluster.yaml describing the nodes, for a launcher that places on nodes (ray)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Same as --format json.")] = False,
     fmt: Annotated[
         PlanFormat, typer.Option("--format", help="text (default), json, mermaid or dot.")
@@ -53,7 +62,10 @@ def plan(
     add_config_import_paths(config)  # a placement strategy or function given by dotted path beside the config
     try:
         cfg = load_config(config)
+        if launcher is not None:
+            cfg = _with_launcher(cfg, launcher)
         result = build_plan(cfg, get_registry(), gpus=gpus, environ=os.environ)
+        result = _on_nodes(result, cluster)
     except ConfigError as exc:
         fail_config(exc, source=config, as_json=fmt is PlanFormat.json)
     except (PluginError, LookupError) as exc:
@@ -68,3 +80,29 @@ def plan(
         PlanFormat.dot: render_dot,
     }
     print(renderers[fmt](result), end="")
+
+
+def _with_launcher(cfg, name: str):
+    """``cfg`` launched by ``name`` (options dropped unless it already names that launcher),
+    validated again: its stages' ``launch:`` mappings are now that launcher's to check."""
+    import attrs
+
+    from ..config.validate import validate_config
+
+    if cfg.launcher.name != name:
+        cfg = attrs.evolve(cfg, launcher=attrs.evolve(cfg.launcher, name=name, options={}))
+    validate_config(cfg)
+    return cfg
+
+
+def _on_nodes(plan, cluster: str | None):
+    """The plan with a node per process when its launcher places on nodes (``plan_nodes``)."""
+    from ..plugins import get_registry
+
+    place = getattr(get_registry().resolve("launcher", plan.config.launcher.name), "plan_nodes", None)
+    if place is None:
+        if cluster is not None:
+            raise LookupError(f"--cluster needs a launcher that places processes on nodes (such as ray); "
+                              f"launcher {plan.config.launcher.name!r} runs every process on this machine")
+        return plan
+    return place(plan, cluster)

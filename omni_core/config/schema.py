@@ -115,6 +115,9 @@ class StageConfig:
     threads: int | None = attrs.field(default=None, metadata=POSITIVE)
     relay: RelayConfig | None = None
     max_concurrency: int = attrs.field(default=64, metadata=POSITIVE)
+    #: Opaque to the core: passed to the launcher of the process hosting the stage, which checks it
+    #: (e.g. ``{resources: {node_a: 1}, num_cpus: 1}`` for ``ray``).
+    launch: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def is_fan_in(self) -> bool:

@@ -454,6 +454,19 @@ def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
     _resolvable(ctx, "launcher.name", "launcher", cfg.launcher.name)
 
 
+@rule
+def launch_options(cfg: PipelineConfig, ctx: _Context) -> None:
+    """A stage's ``launch:`` mapping belongs to the launcher: one with ``validate_launch(launch,
+    path)`` returns its issues (unknown keys at ``stages[i].launch.x``); others ignore it."""
+    if not any(s.launch for s in cfg.stages) or ctx.registry.problem("launcher", cfg.launcher.name):
+        return
+    check = getattr(ctx.registry.get("launcher", cfg.launcher.name).load(), "validate_launch", None)
+    if check is not None:
+        for i, stage in enumerate(cfg.stages):
+            if stage.launch:
+                ctx.issues.extend(check(stage.launch, _sp(i, "launch")))
+
+
 def collect_issues(
     cfg: PipelineConfig, registry: Registry | None = None, *, import_factories: bool = False
 ) -> list[ConfigIssue]:

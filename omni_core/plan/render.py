@@ -107,7 +107,17 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                   for e in plan.edges],
         "endpoints": {COORDINATOR: coordinator, "processes": addresses},
         "warnings": list(plan.warnings),
+        **_nodes_dict(plan),
     }
+
+
+def _nodes_dict(plan: Plan) -> dict[str, Any]:
+    """With a multi-node launcher: the node of each process and the edges that cross nodes."""
+    if not plan.nodes:
+        return {}
+    return {"nodes": {COORDINATOR if k == "" else k: v for k, v in plan.nodes.items()},
+            "crossing_edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay}
+                               for e in plan.edges if e.crosses_nodes]}
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -166,10 +176,31 @@ def render_text(plan: Plan) -> str:
         ["process", "gpu", "device", "CUDA_VISIBLE_DEVICES", "threads", "leader"],
         [[p.name, p.gpu, p.device, repr(p.forced_env.get("CUDA_VISIBLE_DEVICES", "")), p.threads, p.leader]
          for p in plan.processes])
+    if plan.nodes:
+        return _render_nodes(plan, lines)
     lines += ["", "edges"] + table(
         ["from", "to", "kind", "relay"], [[e.src, e.dst, e.kind, _relay_text(e)] for e in plan.edges])
     coordinator, addresses = _endpoints(plan)
     lines += ["", "endpoints"] + table(["process", "address"], [[f"({COORDINATOR})", coordinator], *addresses.items()])
+    lines += ["", "warnings"] + ([f"  - {w}" for w in plan.warnings] or ["  (none)"])
+    return "\n".join(lines) + "\n"
+
+
+def _render_nodes(plan: Plan, lines: list[str]) -> str:
+    """The end of the report for a plan on several nodes: nodes, edges (crossing or not) and
+    which endpoints are tcp."""
+    from .topology import tcp_receivers
+
+    nodes = plan.nodes
+    tcp = tcp_receivers(plan, nodes)
+    lines += ["", "nodes"] + table(["process", "node"], [[f"({COORDINATOR})", nodes[""]], *[[p.name, nodes[p.name]] for p in plan.processes]])
+    lines += ["", "edges"] + table(
+        ["from", "to", "kind", "relay", "crosses nodes"],
+        [[e.src, e.dst, e.kind, _relay_text(e), "yes" if e.crosses_nodes else "no"] for e in plan.edges])
+    coordinator, addresses = _endpoints(plan)
+    rows = [[f"({COORDINATOR})", coordinator, "tcp + CurveZMQ (port chosen at start)" if "" in tcp else "-"]]
+    rows += [[n, a, "tcp + CurveZMQ (port chosen at start)" if n in tcp else "-"] for n, a in addresses.items()]
+    lines += ["", "endpoints (ipc on the node; tcp for senders on other nodes)"] + table(["process", "ipc", "tcp"], rows)
     lines += ["", "warnings"] + ([f"  - {w}" for w in plan.warnings] or ["  (none)"])
     return "\n".join(lines) + "\n"
 

@@ -32,6 +32,9 @@ OBJECT_RELAY = "object"
 #: The torch.distributed backend of a tensor-parallel group, by the device type of its ranks.
 TP_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 
+#: The address a process is given for a peer on another node it never sends to (zmq refuses it).
+UNREACHABLE = "unreachable://"
+
 
 @attrs.frozen
 class ProcessSpec:
@@ -104,6 +107,8 @@ class EdgeSpec:
     kind: str
     relay: str
     local: bool
+    #: Whether the two ends run on different nodes (known once a multi-node launcher placed them).
+    crosses_nodes: bool = False
 
 
 @attrs.frozen
@@ -122,6 +127,8 @@ class Plan:
     warnings: tuple[str, ...] = ()
     loads: tuple[GpuLoad, ...] = ()
     simulated: bool = False
+    #: Process name (``""``: the coordinator) → node, once a multi-node launcher placed them.
+    nodes: dict[str, str] = attrs.field(factory=dict)
 
     def process(self, name: str) -> ProcessSpec:
         for proc in self.processes:
@@ -370,3 +377,93 @@ def endpoints(plan: Plan, runtime_dir: str) -> Mapping[str, str]:
     for i, proc in enumerate(plan.processes):
         out[proc.name] = f"ipc://{runtime_dir}/p{i}"
     return out
+
+
+# -- many machines -----------------------------------------------------------------------------------
+
+
+def senders(plan: Plan) -> dict[str, set[str]]:
+    """Who sends control messages to whom: receiver → the processes (``""``: the coordinator)
+    that may send to it. The coordinator talks to every process and hears from every process;
+    the processes at the two ends of an edge talk both ways (payloads and chunks one way,
+    stream credits back); a TP leader and its followers talk both ways."""
+    out: dict[str, set[str]] = {"": {p.name for p in plan.processes}}
+    for proc in plan.processes:
+        out[proc.name] = {""}
+    for edge in plan.edges:
+        if edge.local:
+            continue
+        for dst in plan.processes_of(edge.dst):
+            for src in plan.processes_of(edge.src):
+                if src != dst:
+                    out[dst].add(src)
+                    out[src].add(dst)
+    for proc in plan.processes:
+        if proc.leader is not None:
+            out[proc.name].add(proc.leader)
+            out[proc.leader].add(proc.name)
+    return out
+
+
+def tcp_receivers(plan: Plan, nodes: Mapping[str, str]) -> set[str]:
+    """The inboxes that need a tcp endpoint: those with a sender on another node. ``nodes`` maps
+    every process name, and ``""`` for the coordinator, to its node."""
+    return {r for r, s in senders(plan).items() if any(nodes[x] != nodes[r] for x in s)}
+
+
+def endpoint_views(plan: Plan, runtime_dir: str, nodes: Mapping[str, str],
+                   tcp: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """The address map each process (and the coordinator, ``""``) uses: a peer on its own node by
+    ipc, a peer on another node by that peer's tcp address (``tcp``, from :func:`tcp_receivers`'
+    inboxes). Processes on one node keep ipc even in a run that spans machines."""
+    ipc = endpoints(plan, runtime_dir)
+    views: dict[str, dict[str, str]] = {}
+    for viewer in ipc:
+        view = {}
+        for name, address in ipc.items():
+            if nodes[name] == nodes[viewer]:
+                view[name] = address
+            elif name in tcp:
+                view[name] = tcp[name]
+            else:
+                # This viewer never sends to it (see senders()): an address that fails loudly if used.
+                view[name] = f"{UNREACHABLE}{name}"
+        views[viewer] = view
+    return views
+
+
+def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) -> str:
+    """The relay of an edge whose ends run on different nodes: the stage's or the pipeline's
+    forced backend when it declares the ``cluster`` scope (a ConfigError otherwise); under
+    ``auto``, the highest-priority installed relay that declares it (``inline``, zmq frames over
+    the tcp control plane, unless a network relay plugin ranks higher)."""
+    relay_cfg = src.relay or cfg.relay
+    if relay_cfg.backend != "auto":
+        caps = getattr(registry.resolve("relay", relay_cfg.backend), "capabilities", None)
+        if caps is None or "cluster" not in caps.scopes:
+            path = f"stages[{cfg.stage_names.index(src.name)}].relay" if src.relay else "relay"
+            raise ConfigError([ConfigIssue(
+                path, f"relay {relay_cfg.backend!r} cannot cross nodes, but stage {src.name!r} sends to a stage on another node",
+                "use 'relay: auto' (inline across nodes), a relay that declares the 'cluster' scope, or pin both stages to one node")])
+        return relay_cfg.backend
+    best: tuple[int, str] | None = None
+    for entry in registry.entries("relay"):
+        caps = getattr(entry.load(), "capabilities", None)
+        if caps is not None and "cluster" in caps.scopes and (best is None or caps.priority > best[0]):
+            best = (caps.priority, entry.name)
+    return best[1] if best else "inline"
+
+
+def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> Plan:
+    """``plan`` once its processes are on ``nodes`` (process name → node; ``""`` the
+    coordinator's): every edge between processes on different nodes is marked and takes
+    :func:`cross_node_relay`."""
+    edges = []
+    for edge in plan.edges:
+        ends = {nodes[p] for p in plan.processes_of(edge.src) + plan.processes_of(edge.dst)}
+        if edge.local or len(ends) == 1:
+            edges.append(edge)
+            continue
+        relay = cross_node_relay(plan.config, plan.config.stage(edge.src), registry)
+        edges.append(attrs.evolve(edge, relay=relay, crosses_nodes=True))
+    return attrs.evolve(plan, edges=tuple(edges), nodes=dict(nodes))

@@ -1,5 +1,10 @@
 """zmq plumbing for the control plane: one PULL inbox per process, PUSH outboxes per peer.
 
+Endpoints are ipc within one machine. A launcher that spans machines binds tcp inboxes ahead of
+time with :func:`bind_inbox` (a port chosen by binding, so no race) and every tcp socket is
+authenticated and encrypted with CurveZMQ under the run's :class:`CurveKeys` (see "tcp endpoints"
+below).
+
 The inbox is read from the asyncio loop without a future per message: the socket's FD is watched
 with ``loop.add_reader`` and every message that is ready is drained and handed to a synchronous
 callback (batching what is ready, §9). Sends are non-blocking; if a peer's queue is full the send
@@ -10,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import zmq
 
 from ..logs import get_logger
@@ -34,10 +42,15 @@ class Inbox:
     and never stops the inbox."""
 
     def __init__(self, ctx: zmq.Context, address: str, handler: Handler, *, name: str = ""):
-        self.sock = ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(address)
+        sock = adopt_inbox(address)
+        if sock is None:
+            if address.startswith("tcp://"):
+                raise ValueError(f"tcp endpoint {address} must be bound with bind_inbox (CurveZMQ keys) first")
+            sock = ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.bind(address)
+        self.sock = sock
         self.address = address
         self.handler = handler
         self.name = name
@@ -100,7 +113,7 @@ class Outbox:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.connect(address)
+            connect(sock, address)
             self._socks[address] = sock
         return sock
 
@@ -161,3 +174,161 @@ class Outbox:
         for sock in self._socks.values():
             sock.close(linger=linger_ms)
         self._socks.clear()
+
+
+# -- tcp endpoints ---------------------------------------------------------------------------------
+#
+# A tcp inbox is a CurveZMQ server: it accepts a connection only from a client that knows the
+# run's server public key *and* presents the run's client key pair, checked by a ZAP handler
+# (pyzmq's ThreadAuthenticator) per run domain. Outboxes find the keys of a tcp address in
+# :func:`trust`'s table. Keys reach stage processes through the launcher (for Ray: actor
+# arguments), never a command line or an environment variable.
+
+
+@attrs.frozen(repr=False)
+class CurveKeys:
+    """One run's CurveZMQ keys (z85): the inboxes' server pair and the processes' client pair."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+    @property
+    def domain(self) -> str:
+        """The ZAP domain of the run's inboxes (derived from the public server key)."""
+        return "omni-" + hashlib.sha256(self.server_public).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"CurveKeys(server_public={self.server_public!r}, secrets hidden)"
+
+
+_tcp_lock = threading.Lock()
+_tcp_ctx: zmq.Context | None = None
+_tcp_auth: Any = None
+_domains: dict[str, bytes] = {}
+_prebound: dict[str, zmq.Socket] = {}
+_trusted: dict[str, CurveKeys] = {}
+
+
+class _AllowRunKey:
+    def callback(self, domain: str, key: bytes) -> bool:
+        return _domains.get(domain) == key
+
+
+def _tcp_context(keys: CurveKeys) -> zmq.Context:
+    """The context of this process's tcp inboxes, with its ZAP handler (started once)."""
+    global _tcp_ctx, _tcp_auth
+    with _tcp_lock:
+        if _tcp_ctx is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            _tcp_ctx = zmq.Context(io_threads=1)
+            _tcp_auth = ThreadAuthenticator(_tcp_ctx)
+            _tcp_auth.start()
+        if keys.domain not in _domains:
+            _domains[keys.domain] = keys.client_public
+            _tcp_auth.configure_curve_callback(keys.domain, credentials_provider=_AllowRunKey())
+        return _tcp_ctx
+
+
+def bind_inbox(ipc: str | None, *, keys: CurveKeys | None = None, host: str | None = None,
+               port_range: tuple[int, int] | None = None, tcp: str | None = None) -> str | None:
+    """Bind an inbox socket now, before the process's :class:`Inbox` is built: to ``ipc`` (when
+    given) and, with ``keys``, to a tcp port on ``host`` chosen by binding (within ``port_range``,
+    else any free port), or to the exact ``tcp`` address (a restarted process keeps its address).
+    The socket waits for the :class:`Inbox` of either address to adopt it. Returns the tcp address
+    (None without tcp)."""
+    ctx = _tcp_context(keys) if keys is not None else zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    address = None
+    try:
+        if ipc:
+            sock.bind(ipc)
+        if keys is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = keys.server_secret
+            sock.curve_publickey = keys.server_public
+            sock.zap_domain = keys.domain.encode()
+            if tcp is not None:
+                sock.bind(tcp)
+                address = tcp
+            elif port_range is not None:
+                port = sock.bind_to_random_port(f"tcp://{host}", port_range[0], port_range[1] + 1, max_tries=1000)
+                address = f"tcp://{host}:{port}"
+            else:
+                sock.bind(f"tcp://{host}:0")
+                address = sock.last_endpoint.decode()
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    with _tcp_lock:
+        for name in (ipc, address):
+            if name:
+                _prebound[name] = sock
+    if address is not None:
+        trust([address], keys)
+    return address
+
+
+def adopt_inbox(address: str) -> zmq.Socket | None:
+    """The socket :func:`bind_inbox` bound for ``address`` (and forget it), or None."""
+    with _tcp_lock:
+        sock = _prebound.pop(address, None)
+        if sock is not None:
+            for name in [n for n, s in _prebound.items() if s is sock]:
+                del _prebound[name]
+    return sock
+
+
+def release_inboxes(addresses: Sequence[str]) -> None:
+    """Close the inboxes bound for ``addresses`` that nobody adopted (a failed start)."""
+    with _tcp_lock:
+        socks = {id(s): s for a, s in _prebound.items() if a in addresses}
+        for address in [a for a, s in _prebound.items() if id(s) in socks]:
+            del _prebound[address]
+    for sock in socks.values():
+        sock.close(linger=0)
+
+
+def trust(addresses: Sequence[str], keys: CurveKeys | None) -> None:
+    """Outboxes of this process connect to these tcp ``addresses`` with the run's ``keys``."""
+    if keys is None:
+        return
+    with _tcp_lock:
+        for address in addresses:
+            if address.startswith("tcp://"):
+                _trusted[address] = keys
+
+
+def forget_trust(keys: CurveKeys) -> None:
+    """Drop a finished run's keys from this process (its addresses and its ZAP domain)."""
+    with _tcp_lock:
+        for address in [a for a, k in _trusted.items() if k is keys or k == keys]:
+            del _trusted[address]
+        _domains.pop(keys.domain, None)
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    """Connect ``sock`` to ``address``; a tcp address with the run's CurveZMQ client keys."""
+    if address.startswith("tcp://"):
+        _curve_client(sock, address)
+    sock.connect(address)
+
+
+def _curve_client(sock: zmq.Socket, address: str) -> None:
+    keys = _trusted.get(address)
+    if keys is None:
+        sock.close(linger=0)
+        raise ValueError(f"no CurveZMQ keys for tcp endpoint {address}: tcp peers must be announced with trust()")
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret

@@ -28,7 +28,7 @@ from ..logs import configure_logging, get_logger
 from ..plugins import get_registry
 from ..relay.liveness import process_alive
 from . import wire
-from .channel import Outbox
+from .channel import Outbox, connect
 from .host import Host
 from .types import Bootstrap
 
@@ -82,7 +82,7 @@ class Heart:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 16)
-        sock.connect(self.boot.addresses[""])
+        connect(sock, self.boot.addresses[""])  # CurveZMQ keys when the coordinator is on another node
         name, pid, generation = self.boot.process.name, os.getpid(), self.boot.generation
         warned = False
         try:

@@ -10,7 +10,16 @@ A launcher is a class registered with ``omni_register_launchers``::
 
 A :class:`ProcessHandle` gives ``name``, ``pid``, ``sentinel`` (an fd readable once the process
 ended), ``exitcode`` (None while alive; negative: killed by that signal), ``terminate()``,
-``kill()`` and ``join(timeout)``.
+``kill()`` and ``join(timeout)``; optionally ``describe_exit()``, a sentence on how it ended
+(where it ran, the reason its launcher gives) that ``ProcessDied`` quotes.
+
+Optional, for launchers that span machines: ``prepare(plan, run_id, runtime_dir, endpoints)``
+is called once before any ``start``; it places every process, binds the inboxes that need tcp
+(:func:`omni_core.runtime.channel.bind_inbox`) and returns ``(plan, views)``: the plan with the
+edges that cross nodes marked (``omni_core.plan.topology.place_on_nodes``) and the address map
+of the coordinator (key ``""``) and of each process (``omni_core.plan.topology.endpoint_views``). A class attribute
+``validate_launch(launch, path) -> list[ConfigIssue]`` checks each stage's ``launch:`` mapping at
+config time.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ class Pipeline:
             self.plan = build_plan(self.config, self.registry, gpus=self.gpus)
             self.coordinator.bind(self.plan)
         await self.runner.start(self.plan)
+        self.plan = self.runner.plan  # as launched: a multi-node launcher marks the edges that cross nodes
 
     async def stop(self, *, timeout: float | None = None) -> None:
         """Drain requests in flight, then shut every process down and free everything, all

@@ -179,13 +179,15 @@ class Runner:
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
         os.chmod(self.runtime_dir, 0o700)
-        self.addresses = dict(endpoints(plan, self.runtime_dir))
+        launcher_cls = self.registry.resolve("launcher", cfg.launcher.name)
+        self.launcher = launcher_cls(dict(cfg.launcher.options))
+        plan, views = self._place(plan)
+        self.plan = plan
+        self.addresses = views[""]
         self._zctx = zmq.Context(io_threads=1)
         self.inbox = Inbox(self._zctx, self.addresses[""], self._on_message, name="coordinator")
         self.inbox.start()
         self.outbox = Outbox(self._zctx)
-        launcher_cls = self.registry.resolve("launcher", cfg.launcher.name)
-        self.launcher = launcher_cls(dict(cfg.launcher.options))
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
         edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
         config_data = to_dict(cfg)
@@ -195,7 +197,7 @@ class Runner:
                 runtime_dir=self.runtime_dir,
                 config=config_data,
                 process=spec,
-                addresses=self.addresses,
+                addresses=views[spec.name],
                 routes=routes,
                 edge_relays=edge_relays,
                 env=spec.environment(os.environ),
@@ -209,6 +211,18 @@ class Runner:
         for name in self.boots:
             self._launch(name)
         await self._wait_ready(list(self.boots), deadline)
+
+    def _place(self, plan: Plan) -> tuple[Plan, dict[str, dict[str, str]]]:
+        """The plan as launched, and the address map of the coordinator (``""``) and of each
+        process. ipc for all with a launcher that runs everything on this machine; a launcher
+        with ``prepare`` (one that spans machines) places the processes, binds tcp inboxes where
+        a sender is on another node, and returns the plan with the edges that cross nodes marked
+        (their relays chosen for it) plus each process's view."""
+        prepare = getattr(self.launcher, "prepare", None)
+        if prepare is not None:
+            return prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
+        addresses = dict(endpoints(plan, self.runtime_dir))
+        return plan, dict.fromkeys(["", *(p.name for p in plan.processes)], addresses)
 
     def _launch(self, name: str) -> None:
         self._ready[name] = self._loop.create_future()
@@ -309,10 +323,11 @@ class Runner:
         if self.handles.get(name) is not handle:
             return  # a process of an earlier generation
         code = handle.exitcode
+        reason = handle.describe_exit() if hasattr(handle, "describe_exit") else None  # e.g. Ray's cause and node
         stages = self.boots[name].process.stages
         ready = self._ready.get(name)
         if ready is not None and not ready.done():
-            how = signal_name(code) or f"exit code {code}"
+            how = reason or signal_name(code) or f"exit code {code}"
             ready.set_exception(StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name))
             return
         if self.state in ("stopping", "stopped", "new", "starting"):
@@ -323,13 +338,14 @@ class Runner:
             rid = getattr(req, "request_id", None)
             if silent is not None:
                 return ProcessHung(process=name, pid=handle.pid, silent_for=silent, request_id=rid, stages=stages)
-            return ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=signal_name(code), request_id=rid, stages=stages)
+            return ProcessDied(process=name, pid=handle.pid, exitcode=code, signal=signal_name(code), request_id=rid,
+                               stages=stages, reason=reason)
 
         group = self.group_of(name)
         self._heard.pop(name, None)
         failed = self._on_death(set(group), error)
         self.log.error("stage process hung" if silent is not None else "stage process died", process=name,
-                       pid=handle.pid, exitcode=code, signal=signal_name(code), failed_requests=failed)
+                       pid=handle.pid, exitcode=code, signal=signal_name(code), reason=reason, failed_requests=failed)
         leader = group[0]
         if leader in self._restarting:
             self._again.add(leader)  # died while its group restarts: that restart goes round again
