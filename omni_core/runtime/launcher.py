@@ -32,7 +32,6 @@ import os
 from typing import Any, Protocol
 
 from ..errors import ConfigError
-from .child import main
 from .types import Bootstrap
 
 #: Modules the forkserver imports once, so each stage process starts without paying for them.
@@ -105,6 +104,8 @@ class LocalLauncher:
                 multiprocessing.forkserver.ensure_running()
 
     def start(self, boot: Bootstrap) -> ProcessHandle:
+        from .child import main  # torch and the stage host: only where processes start
+
         proc = self.ctx.Process(target=main, args=(boot,), name=f"omni:{boot.process.name}", daemon=False)
         with _without_main_module():
             proc.start()
