@@ -63,6 +63,7 @@ def load_part(model: str | os.PathLike | None, part: str, *, dtype: str | None =
 
     import transformers
 
+    transformers.logging.set_verbosity_error()  # the report of the other parts' weights, not loaded here
     path = resolve_model_path(model)
     cls_name, sub_name, part_type = _PARTS[part]
     cls = getattr(transformers, cls_name)

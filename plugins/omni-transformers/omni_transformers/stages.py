@@ -113,6 +113,8 @@ class Processor:
             out["max_new_tokens"] = int(payload["max_new_tokens"])
         if payload.get("talker_max_new_tokens") is not None:
             out["talker_max_new_tokens"] = int(payload["talker_max_new_tokens"])
+        if "wav_path" in payload:
+            out["wav_path"] = payload["wav_path"]
         return out
 
 
@@ -381,7 +383,7 @@ class Token2Wav:
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
-                 source: str = "talker"):
+                 wav_path: str | None = None, source: str = "talker"):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         if torch_dtype(dtype, torch.float32) != torch.float32:
@@ -390,7 +392,30 @@ class Token2Wav:
         self.speakers = load_speakers(self.path)
         self.options = {"num_steps": num_steps, "guidance_scale": guidance_scale, "sway_coefficient": sway_coefficient}
         self.sample_rate = sample_rate or _sample_rate(self.path)
+        self.wav_path = wav_path
         self.source = source
+
+    def _write_wav(self, path: str, audio: torch.Tensor) -> str:
+        """16-bit mono PCM, written next to ``path`` then renamed (concurrent writers never mix)."""
+        import os
+        import tempfile
+        import wave
+
+        target = Path(path).expanduser().resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh, wave.open(fh, "wb") as out:
+                out.setnchannels(1)
+                out.setsampwidth(2)
+                out.setframerate(self.sample_rate)
+                out.writeframes(pcm)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return str(target)
 
     def _synthesize(self, codes: list[int], speaker: dict, generator: torch.Generator) -> torch.Tensor:
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
@@ -454,5 +479,9 @@ class Token2Wav:
         else:  # the talker ended at once; generate would fail on an empty code sequence
             audio = torch.zeros(0)
         await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
-        return {"text": "".join(text), "token_ids": token_ids, "codes": codes, "audio": audio,
-                "sample_rate": self.sample_rate}
+        result = {"text": "".join(text), "token_ids": token_ids, "codes": codes, "audio": audio,
+                  "sample_rate": self.sample_rate}
+        wav_path = payload.get("wav_path", self.wav_path)
+        if wav_path:
+            result["wav_path"] = await asyncio.to_thread(self._write_wav, str(wav_path), audio)
+        return result
