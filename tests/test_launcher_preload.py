@@ -6,11 +6,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+from runtime_helpers import arun
+
 from omni_core import Pipeline
 from omni_core.errors import ConfigError
 from omni_core.runtime.launcher import LocalLauncher
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
-from runtime_helpers import arun
 
 # Stdlib modules that neither torch nor omni import.
 PROBES = ["xml.dom.minidom", "wave"]

@@ -72,7 +72,8 @@ def _seed(payload: dict) -> int:
 class Processor:
     """Inputs → model inputs. ``{"text": str}`` (put through the tokenizer's chat template, with the
     system prompt Qwen2.5-Omni needs for speech) or ``{"input_ids": [int, ...]}`` (used as given),
-    plus optional ``max_new_tokens``, ``speaker``, ``seed``, ``system_prompt``."""
+    plus optional ``max_new_tokens``, ``speaker``, ``seed``, ``system_prompt``, ``talker_max_new_tokens``,
+    ``talker_do_sample`` and ``wav_path``."""
 
     def __init__(self, model: str | None = None, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
                  chat_template: bool = True):
@@ -113,6 +114,8 @@ class Processor:
             out["max_new_tokens"] = int(payload["max_new_tokens"])
         if payload.get("talker_max_new_tokens") is not None:
             out["talker_max_new_tokens"] = int(payload["talker_max_new_tokens"])
+        if payload.get("talker_do_sample") is not None:
+            out["talker_do_sample"] = bool(payload["talker_do_sample"])
         if "wav_path" in payload:
             out["wav_path"] = payload["wav_path"]
         return out
@@ -264,7 +267,10 @@ class Talker:
         seed = _seed(payload)
         max_new = int(payload.get("talker_max_new_tokens") or self.max_new_tokens)
         generator = make_generator(seed, self.device)
-        sampler = Sampler(**self.sampling, suppress_tokens=[self.codec_bos], generator=generator, device=self.device)
+        sampling = dict(self.sampling)
+        if payload.get("talker_do_sample") is not None:
+            sampling["do_sample"] = bool(payload["talker_do_sample"])
+        sampler = Sampler(**sampling, suppress_tokens=[self.codec_bos], generator=generator, device=self.device)
         stream = _ThinkerStream(ctx, self.source)
         reader = asyncio.create_task(stream.read())
         try:

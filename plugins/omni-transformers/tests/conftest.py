@@ -8,6 +8,10 @@ import os
 import pytest
 import torch
 
+# The reference generate runs in the test process next to the stage processes: one thread, or
+# OpenMP workers of several processes fight over the cores.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):

@@ -62,8 +62,9 @@ def test_tiny_is_a_module_with_a_command_line(tmp_path):
 
 
 def test_each_part_loads_alone_from_the_whole_checkpoint(tiny_model):
-    from omni_transformers.models import load_part
     from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omni_transformers.models import load_part
 
     whole = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_model)
     for part in ("thinker", "talker", "token2wav"):
@@ -97,8 +98,9 @@ def test_the_sampler_draws_from_its_own_generator_like_the_global_rng():
 
 
 def test_incremental_text_never_splits_a_character(tiny_model):
-    from omni_transformers.models import TextDecoder
     from transformers import AutoTokenizer
+
+    from omni_transformers.models import TextDecoder
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     decoder = TextDecoder(tok)
