@@ -310,7 +310,8 @@ class Talker:
                 logits = await asyncio.to_thread(self._forward, embeds, cache)
                 step += 1
             await reader  # the whole text reaches the caller before the last codes
-            await ctx.emit({"codes": pending, "final": True, "rng_state": generator.get_state()})
+            # The RNG state as bytes: a few bytes of msgpack, no relay transfer.
+            await ctx.emit({"codes": pending, "final": True, "rng_state": generator.get_state().numpy().tobytes()})
             return {"codes": codes}
         finally:
             if not reader.done():
@@ -476,8 +477,7 @@ class Token2Wav:
             if chunk.get("final"):
                 finished = True
                 if chunk.get("rng_state") is not None:  # continue the talker's RNG, as generate's global one
-                    generator.set_state(chunk["rng_state"].to("cpu") if self.device.type == "cpu"
-                                        else chunk["rng_state"])
+                    generator.set_state(torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8))
         if not finished:
             raise RuntimeError(f"the {self.source} stream ended without its final chunk")
         if codes:
