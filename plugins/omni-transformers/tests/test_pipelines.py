@@ -27,9 +27,9 @@ CASES = [
     ({"input_ids": PROMPT_B[:9], "max_new_tokens": 2, "seed": 9, "talker_max_new_tokens": 24}, {}),
 ]
 GREEDY_CASES = [
-    ({"input_ids": PROMPT_A, "max_new_tokens": 10, "seed": 1, "talker_max_new_tokens": 64},
+    ({"input_ids": PROMPT_A, "max_new_tokens": 10, "seed": 1, "talker_max_new_tokens": 64, "talker_do_sample": False},
      {"talker_do_sample": False}),
-    ({"text": "omni", "max_new_tokens": 6, "seed": 2}, {"talker_do_sample": False}),
+    ({"text": "omni", "max_new_tokens": 6, "seed": 2, "talker_do_sample": False}, {"talker_do_sample": False}),
 ]
 
 
