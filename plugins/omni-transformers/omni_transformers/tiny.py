@@ -106,7 +106,7 @@ def tiny_config():
             "emb_dim": 16, "block_size": 8, "look_ahead_layers": [1], "look_backward_layers": [0],
             "repeats": 2, "num_embeds": CODEC_VOCAB, "mel_dim": 8, "enc_emb_dim": 16, "enc_dim": 16,
             "enc_channels": [16, 16, 16, 16, 48], "enc_attention_channels": 8, "enc_se_channels": 8,
-            "max_position_embeddings": 4096,
+            "max_position_embeddings": 8192,  # 4096 codes (the talker default) x 2
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
         "bigvgan_config": {

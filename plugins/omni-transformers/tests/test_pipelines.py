@@ -29,7 +29,7 @@ CASES = [
 GREEDY_CASES = [
     ({"input_ids": PROMPT_A, "max_new_tokens": 10, "seed": 1, "talker_max_new_tokens": 64, "talker_do_sample": False},
      {"talker_do_sample": False}),
-    ({"text": "omni", "max_new_tokens": 6, "seed": 2, "talker_do_sample": False}, {"talker_do_sample": False}),
+    ({"text": "omni", "max_new_tokens": 6, "seed": 2, "talker_max_new_tokens": 48, "talker_do_sample": False}, {"talker_do_sample": False}),
 ]
 
 
