@@ -37,6 +37,11 @@ from .types import Bootstrap
 #: Modules the forkserver imports once, so each stage process starts without paying for them.
 PRELOAD = ["torch", "omni_core.runtime.child"]
 
+# The forkserver is one per parent process and its stage processes die with it (PDEATHSIG), so
+# what it preloaded can only change while no local launcher of this process is open.
+_forkserver_preload: list[str] | None = None
+_open_launchers = 0
+
 
 class ProcessHandle(Protocol):
     name: str
@@ -86,22 +91,64 @@ def _without_main_module():
         multiprocessing.spawn.get_preparation_data = original
 
 
+def _preload_option(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) and m.strip() for m in value):
+        raise ConfigError(f"launcher.options.preload: {value!r} is not a list of module names; "
+                          "give importable modules, e.g. preload: [transformers]")
+    return [m.strip() for m in value]
+
+
+def _ensure_forkserver(preload: list[str]) -> None:
+    """Start the forkserver with ``PRELOAD`` plus ``preload``; restart it when it lacks some of
+    them and no launcher of this process is open (else the modules load in each stage process)."""
+    global _forkserver_preload
+    wanted = list(dict.fromkeys(PRELOAD + preload))
+    running = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+    if running and _forkserver_preload is not None and set(wanted) <= set(_forkserver_preload):
+        return
+    if running and _open_launchers == 0:
+        multiprocessing.forkserver._forkserver._stop()
+        running = False
+    if running:
+        return
+    multiprocessing.forkserver.set_forkserver_preload(wanted)
+    with _passive_openmp(), _without_main_module():
+        multiprocessing.forkserver.ensure_running()
+    _forkserver_preload = wanted
+
+
 class LocalLauncher:
     """Stage processes on this machine: a forkserver that preloaded torch and omni (default), or
-    plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork."""
+    plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork.
+
+    ``options.preload``: more modules for the forkserver to import once (``[transformers]``), so
+    stage processes that import them start in milliseconds. The forkserver is shared by every
+    pipeline of the parent process: it is restarted with the new modules only while none of them
+    runs; otherwise each stage process imports what is missing itself.
+    """
 
     def __init__(self, options: dict[str, Any] | None = None):
+        global _open_launchers
         options = dict(options or {})
         method = options.pop("start_method", "forkserver")
         if method not in ("forkserver", "spawn"):
             raise ConfigError(f"launcher.options.start_method: {method!r} is not supported; use 'forkserver' or 'spawn'")
+        preload = _preload_option(options.pop("preload", None))
         if options:
-            raise ConfigError(f"launcher.options: unknown option(s) {', '.join(sorted(options))} for launcher 'local' (known: start_method)")
+            raise ConfigError(f"launcher.options: unknown option(s) {', '.join(sorted(options))} for launcher 'local' "
+                              "(known: start_method, preload)")
+        if preload and method != "forkserver":
+            raise ConfigError("launcher.options.preload needs start_method: forkserver (spawn preloads nothing)")
         self.ctx = multiprocessing.get_context(method)
+        self._open = False
         if method == "forkserver":
-            self.ctx.set_forkserver_preload(PRELOAD)
-            with _passive_openmp(), _without_main_module():
-                multiprocessing.forkserver.ensure_running()
+            _ensure_forkserver(preload)
+            _open_launchers += 1
+            self._open = True
 
     def start(self, boot: Bootstrap) -> ProcessHandle:
         from .child import main  # torch and the stage host: only where processes start
@@ -112,7 +159,10 @@ class LocalLauncher:
         return _MpHandle(boot.process.name, proc)
 
     def close(self) -> None:
-        pass
+        global _open_launchers
+        if self._open:
+            self._open = False
+            _open_launchers -= 1
 
 
 class _MpHandle:

@@ -1,0 +1,176 @@
+"""Loading the parts of a Qwen2.5-Omni checkpoint, and the per-request decoding helpers.
+
+Nothing here keeps per-request state on a module: caches, positions, RNG and logits
+processors live in objects made per request, so one loaded model serves many requests at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_ENV = "OMNI_TRANSFORMERS_MODEL"
+
+# The checkpoint's prefix of each part (keys "thinker.model.layers..." in a whole checkpoint).
+_PARTS = {
+    "thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", "thinker_config", "qwen2_5_omni_thinker"),
+    "talker": ("Qwen2_5OmniTalkerForConditionalGeneration", "talker_config", "qwen2_5_omni_talker"),
+    "token2wav": ("Qwen2_5OmniToken2WavModel", "token2wav_config", "qwen2_5_omni_token2wav"),
+}
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """The checkpoint folder: ``model`` if given, else ``$OMNI_TRANSFORMERS_MODEL``."""
+    if model in (None, ""):
+        model = os.environ.get(MODEL_ENV)
+        if not model:
+            raise ValueError(
+                f"no checkpoint given: set args.model to a local Qwen2.5-Omni checkpoint folder or set {MODEL_ENV} "
+                "(a tiny one for tests: python -m omni_transformers.tiny DIR)"
+            )
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a checkpoint folder (no config.json); give a local folder written by save_pretrained "
+            "(this plugin never downloads)"
+        )
+    return path
+
+
+def torch_dtype(dtype: str | None, default: torch.dtype | None = None) -> torch.dtype | None:
+    """``"auto"``/None → ``default`` (the checkpoint's dtype); else ``float32``, ``bfloat16``, ``float16``."""
+    if dtype in (None, "auto"):
+        return default
+    try:
+        value = getattr(torch, str(dtype))
+    except AttributeError:
+        value = None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
+    return value
+
+
+def load_part(model: str | os.PathLike | None, part: str, *, dtype: str | None = "auto", device: str = "cpu"):
+    """Load one part (``thinker``, ``talker`` or ``token2wav``) of a checkpoint, in eval mode.
+
+    ``model`` is a whole Qwen2.5-Omni checkpoint (only the part's weights are read) or a folder
+    holding that part alone (saved with the part class's ``save_pretrained``).
+    """
+    import json
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the report of the other parts' weights, not loaded here
+    path = resolve_model_path(model)
+    cls_name, sub_name, part_type = _PARTS[part]
+    cls = getattr(transformers, cls_name)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if model_type == "qwen2_5_omni":
+        config = transformers.Qwen2_5OmniConfig.from_pretrained(path, local_files_only=True)
+        kwargs["config"] = getattr(config, sub_name)
+        kwargs["key_mapping"] = {rf"^{part}\.": ""}
+    elif model_type != part_type:
+        raise ValueError(f"{path} holds a {model_type!r} checkpoint; expected qwen2_5_omni or {part_type}")
+    want = torch_dtype(dtype)
+    if part == "token2wav":
+        want = torch.float32  # transformers runs token2wav in float32 (generate calls .float())
+    if want is not None:
+        kwargs["dtype"] = want
+    else:
+        kwargs["dtype"] = "auto"
+    module = cls.from_pretrained(path, **kwargs)
+    return module.to(device).eval()
+
+
+def load_speakers(model: str | os.PathLike | None) -> dict[str, dict[str, Any]]:
+    """The checkpoint's ``spk_dict.pt``: speaker → {bos_token, cond, ref_mel}."""
+    path = resolve_model_path(model) / "spk_dict.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a Qwen2.5-Omni checkpoint ships its speakers in spk_dict.pt")
+    return torch.load(path, weights_only=True)
+
+
+def speaker_params(speakers: dict, name: str) -> dict[str, Any]:
+    if name not in speakers:
+        raise ValueError(f"speaker {name!r} is not in spk_dict.pt; available: {sorted(speakers)}")
+    return speakers[name]
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+class Sampler:
+    """Chooses the next token the way ``GenerationMixin.generate`` does for one sequence: the same
+    logits processors in the same order, argmax or ``torch.multinomial`` with a per-request
+    generator instead of the global RNG."""
+
+    def __init__(
+        self,
+        *,
+        do_sample: bool,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        suppress_tokens: list[int] | None = None,
+        generator: torch.Generator | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        from transformers.generation import logits_process as lp
+
+        self.do_sample = bool(do_sample)
+        self.generator = generator
+        procs = []
+        if repetition_penalty is not None and repetition_penalty != 1.0:
+            procs.append(lp.RepetitionPenaltyLogitsProcessor(repetition_penalty))
+        if suppress_tokens:
+            procs.append(lp.SuppressTokensLogitsProcessor(suppress_tokens, device=device))
+        if self.do_sample:
+            if temperature is not None and temperature != 1.0:
+                procs.append(lp.TemperatureLogitsWarper(temperature))
+            if top_k is not None and top_k != 0:
+                procs.append(lp.TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+            if top_p is not None and top_p < 1.0:
+                procs.append(lp.TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+        self.processors = procs
+
+    def __call__(self, sequence: torch.Tensor, logits: torch.Tensor) -> int:
+        """``sequence``: [1, n] ids so far (prompt included); ``logits``: [1, vocab] of the last position."""
+        scores = logits.to(copy=True, dtype=torch.float32)
+        for proc in self.processors:
+            scores = proc(sequence, scores)
+        if self.do_sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
+        return int(torch.argmax(scores, dim=-1)[0])
+
+
+class TextDecoder:
+    """Incremental detokenisation: ``push(id)`` returns the new text, never half a character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.text()
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self.text()
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta

@@ -1,0 +1,205 @@
+"""Write a tiny random Qwen2.5-Omni checkpoint: ``python -m omni_transformers.tiny DIR``.
+
+The checkpoint has the real model's layout (thinker, talker, token2wav in one
+``Qwen2_5OmniForConditionalGeneration``, a tokenizer, ``spk_dict.pt`` with the speaker
+``Chelsie``) at a size that loads and generates on a CPU in well under a second. Its weights
+are random (seeded), so its text and speech are noise: it exists for tests, CI and a CPU demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# Token ids of the tiny vocabulary: 256 byte tokens first, then the special tokens.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",  # 256
+    "<|im_start|>",  # 257
+    "<|im_end|>",  # 258
+    "<|AUDIO|>",  # 259
+    "<|audio_bos|>",  # 260
+    "<|audio_eos|>",  # 261
+    "<|IMAGE|>",  # 262
+    "<|VIDEO|>",  # 263
+    "<|vision_bos|>",  # 264
+    "<|vision_eos|>",  # 265
+    "<tts_pad>",  # 266
+    "<tts_text_bos>",  # 267
+    "<tts_text_eod>",  # 268
+    "<tts_text_bos_single>",  # 269
+]
+SPECIAL = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
+TEXT_VOCAB = 288
+# The real checkpoint's codec ids, so generate's default talker_eos_token_id ([8292, 8294]) holds.
+CODEC_VOCAB = 8448
+CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 8292, 8293, 8294, 8296
+# Random weights almost never pick one token out of thousands: the end-of-text and end-of-codes
+# rows of the output heads are scaled so that a reply ends after some tens of steps.
+THINKER_EOS_SCALE = 1.7
+TALKER_EOS_SCALE = 2.4
+SAMPLE_RATE = 24000
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_config():
+    """The ``Qwen2_5OmniConfig`` of the tiny checkpoint."""
+    from transformers import Qwen2_5OmniConfig
+
+    hidden = 32
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    specials = {
+        "audio_token_index": SPECIAL["<|AUDIO|>"],
+        "image_token_index": SPECIAL["<|IMAGE|>"],
+        "video_token_index": SPECIAL["<|VIDEO|>"],
+        "audio_start_token_id": SPECIAL["<|audio_bos|>"],
+        "audio_end_token_id": SPECIAL["<|audio_eos|>"],
+    }
+    thinker = {
+        **specials,
+        "user_token_id": ord("u"),
+        "vision_start_token_id": SPECIAL["<|vision_bos|>"],
+        "vision_end_token_id": SPECIAL["<|vision_eos|>"],
+        "audio_config": {
+            "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
+            "d_model": 16, "output_dim": hidden, "max_source_positions": 64, "n_window": 8,
+        },
+        "vision_config": {
+            "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
+            "fullatt_block_indexes": [0], "window_size": 28, "patch_size": 14, "temporal_patch_size": 2,
+        },
+        "text_config": {
+            "vocab_size": TEXT_VOCAB, "hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "rope_parameters": mrope, "eos_token_id": SPECIAL["<|im_end|>"],
+            "pad_token_id": SPECIAL["<|endoftext|>"], "tie_word_embeddings": False,
+        },
+    }
+    talker = {
+        **specials,
+        "vocab_size": CODEC_VOCAB,
+        "tts_text_start_token_id": SPECIAL["<tts_text_bos>"],
+        "tts_text_end_token_id": SPECIAL["<tts_text_eod>"],
+        "tts_text_pad_token_id": SPECIAL["<tts_pad>"],
+        "tts_codec_start_token_id": CODEC_BOS,
+        "tts_codec_end_token_id": CODEC_EOS,
+        "tts_codec_pad_token_id": CODEC_PAD,
+        "tts_codec_mask_token_id": CODEC_MASK,
+        "vision_start_token_id": SPECIAL["<|vision_bos|>"],
+        "vision_end_token_id": SPECIAL["<|vision_eos|>"],
+        "embedding_size": hidden, "hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 12, "max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2]},
+    }
+    # num_embeds covers the whole codec vocabulary: every code a random talker picks has a DiT embedding.
+    token2wav = {
+        "dit_config": {
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "ff_mult": 2,
+            "emb_dim": 16, "block_size": 8, "look_ahead_layers": [1], "look_backward_layers": [0],
+            "repeats": 2, "num_embeds": CODEC_VOCAB, "mel_dim": 8, "enc_emb_dim": 16, "enc_dim": 16,
+            "enc_channels": [16, 16, 16, 16, 48], "enc_attention_channels": 8, "enc_se_channels": 8,
+            "max_position_embeddings": 8192,  # 4096 codes (the talker default) x 2
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "bigvgan_config": {
+            "mel_dim": 8, "upsample_initial_channel": 16, "resblock_kernel_sizes": [3],
+            "resblock_dilation_sizes": [[1, 3, 5]], "upsample_rates": [5, 4], "upsample_kernel_sizes": [10, 8],
+        },
+    }
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker, talker_config=talker, token2wav_config=token2wav, enable_audio_output=True
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE (GPT-2's)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (no merges) over the tiny vocabulary, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}  # token id == byte value
+    vocab.update(SPECIAL)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_speakers(config, seed: int = 0):
+    """``spk_dict.pt`` contents: the speaker ``Chelsie`` (the real checkpoint's default) and ``Ethan``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    dit = config.token2wav_config.dit_config
+    speakers = {}
+    for name in ("Chelsie", "Ethan"):
+        speakers[name] = {
+            "bos_token": SPECIAL["<tts_text_bos_single>"],
+            "cond": torch.randn(dit.enc_emb_dim, generator=g),
+            "ref_mel": torch.randn(1, 24, dit.mel_dim, generator=g),
+        }
+    return speakers
+
+
+def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
+    """Write the tiny checkpoint to ``path`` (created if missing) and return it."""
+    import torch
+    import transformers
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    transformers.logging.set_verbosity_error()  # the talker's text ids live in the thinker's vocabulary
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config()
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.thinker.lm_head.weight[SPECIAL["<|im_end|>"]] *= THINKER_EOS_SCALE
+        model.talker.codec_head.weight[CODEC_EOS] *= TALKER_EOS_SCALE
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    torch.save(tiny_speakers(config, seed), path / "spk_dict.pt")
+    (path / "omni_transformers.json").write_text(json.dumps({"sample_rate": SAMPLE_RATE, "tiny": True}) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omni_transformers.tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="folder to write the checkpoint to")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    args = parser.parse_args(argv)
+    path = write_tiny_checkpoint(args.dir, seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

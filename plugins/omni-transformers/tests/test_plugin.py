@@ -1,0 +1,109 @@
+"""What the plugin registers, the tiny checkpoint, and the per-request helpers (no stage processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omni_core.config import collect_issues, load_config
+from omni_core.plugins import load_plugins
+
+STAGES = ["processor", "thinker", "talker", "token2wav"]
+
+
+def registry():
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"})
+    assert plugins.info("transformers").error is None
+    return plugins.registry
+
+
+def test_the_plugin_registers_four_stages_a_route_function_and_two_pipelines():
+    info = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"}).info("transformers")
+    assert info.registered["stage"] == [f"transformers.qwen2_5_omni.{s}" for s in STAGES]
+    assert info.registered["pipeline"] == ["qwen2_5_omni", "qwen2_5_omni.split"]
+    assert info.registered["route"] == ["transformers.qwen2_5_omni.no_payload"]
+
+
+@pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 2), ("qwen2_5_omni.split", 4)])
+def test_shipped_pipelines_are_valid(name, processes):
+    reg = registry()
+    cfg = load_config(name, registry=reg)
+    assert collect_issues(cfg, reg) == []
+    assert [s.name for s in cfg.stages] == STAGES
+    assert cfg.terminal_stages == ["token2wav"]
+    assert len({s.process or s.name for s in cfg.stages}) == processes
+    if name == "qwen2_5_omni":
+        by_name = {s.name: s for s in cfg.stages}
+        assert by_name["thinker"].process != by_name["talker"].process == by_name["token2wav"].process
+    assert cfg.launcher.options["preload"] == ["omni_transformers.preload"]
+
+
+def test_the_tiny_checkpoint_loads_with_transformers_own_classes(tiny_model):
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_model)
+    assert "Chelsie" in model.speaker_map
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tok("hello é")["input_ids"]
+    assert tok.decode(ids) == "hello é"
+    spk = torch.load(tiny_model / "spk_dict.pt", weights_only=True)
+    assert set(spk["Chelsie"]) == {"bos_token", "cond", "ref_mel"}
+
+
+def test_tiny_is_a_module_with_a_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "omni_transformers.tiny", str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=240, check=True)
+    assert out.stdout.strip() == str(tmp_path / "m")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "spk_dict.pt"} <= {
+        p.name for p in (tmp_path / "m").iterdir()}
+
+
+def test_each_part_loads_alone_from_the_whole_checkpoint(tiny_model):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omni_transformers.models import load_part
+
+    whole = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_model)
+    for part in ("thinker", "talker", "token2wav"):
+        mine = load_part(tiny_model, part).state_dict()
+        theirs = getattr(whole, part).state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_a_missing_checkpoint_says_what_to_do(monkeypatch, tmp_path):
+    from omni_transformers.models import resolve_model_path
+
+    monkeypatch.delenv("OMNI_TRANSFORMERS_MODEL", raising=False)
+    with pytest.raises(ValueError, match="OMNI_TRANSFORMERS_MODEL"):
+        resolve_model_path(None)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_path(tmp_path)
+
+
+def test_the_sampler_draws_from_its_own_generator_like_the_global_rng():
+    from omni_transformers.models import Sampler, make_generator
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5))
+    seq = torch.tensor([[1, 2, 3]])
+    mine = [Sampler(do_sample=True, top_k=10, generator=make_generator(7))(seq, logits) for _ in range(3)]
+    assert mine[0] == mine[1] == mine[2]
+    torch.manual_seed(7)
+    scores = torch.where(logits < torch.topk(logits, 10)[0][..., -1, None], float("-inf"), logits)
+    assert int(torch.multinomial(torch.softmax(scores, -1), 1)[0, 0]) == mine[0]
+    assert Sampler(do_sample=False)(seq, logits) == int(logits.argmax())
+
+
+def test_incremental_text_never_splits_a_character(tiny_model):
+    from transformers import AutoTokenizer
+
+    from omni_transformers.models import TextDecoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    decoder = TextDecoder(tok)
+    ids = tok("hé!")["input_ids"]
+    deltas = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert deltas == ["h", "", "é", "!", ""]
