@@ -2,8 +2,10 @@
 ratios. Run ``python -m bench --help``; results land in ``bench/results/`` as JSON.
 
 Scenarios: ``hop`` (per-hop latency), ``throughput`` (requests/s at a given concurrency),
+``stream`` (chunks/s and per-chunk latency through a stage→stage ``stream_to`` edge),
 ``relay`` (GB/s of each installed relay against memcpy), ``startup`` (time to ready against bare
 torch-importing processes), ``scale`` (latency and memory as in-flight requests and payloads
-grow). This package imports neither torch nor omni at import time: baseline worker processes
+grow). hop, throughput and stream also report CPU µs per message of every process
+(``bench/cpu.py``); ``--doc docs/performance.md`` rewrites that page's tables (``bench/report.py``). This package imports neither torch nor omni at import time: baseline worker processes
 import it and must start bare.
 """

@@ -5,6 +5,9 @@
   difference is omni's own work); the driver sends and receives with blocking calls.
 - :class:`QueueChain`: the naive alternative. One process per stage, ``multiprocessing.Queue``
   between neighbours (pickle, a feeder thread per queue).
+- :class:`ZmqStream`: the floor for a stage→stage stream. A source process sends each stream's
+  chunks (a msgpack header and the raw bytes of a small tensor) to a sink process, which checks
+  and times them and answers the driver once per stream.
 
 Both run a request through ``n`` stages and back to the driver (``n + 1`` hops), one at a time
 (:meth:`request`) or with a fixed number in flight (:meth:`pipelined`). Their workers import
@@ -119,6 +122,9 @@ class ZmqChain:
                 raise RuntimeError(f"raw pyzmq chain of {n} did not come up: {why}")
         self.sink.recv()
 
+    def pids(self) -> dict[str, int | None]:
+        return {f"s{i}": p.pid for i, p in enumerate(self.procs)}
+
     def request(self, payload: Any) -> Any:
         self.push.send(self._packb(payload))
         return self._unpackb(self.sink.recv())
@@ -188,6 +194,9 @@ class QueueChain:
                     self.close()
                     why = f"a stage process exited (exit codes {dead})" if dead else f"not within {START_TIMEOUT:g} s"
                     raise RuntimeError(f"mp.Queue chain of {n} did not come up: {why}") from None
+
+    def pids(self) -> dict[str, int | None]:
+        return {f"s{i}": p.pid for i, p in enumerate(self.procs)}
 
     def request(self, payload: Any) -> Any:
         self.queues[0].put(payload)
@@ -260,3 +269,166 @@ def bare_torch_processes(n: int, timeout: float = 120.0) -> float:
                 p.wait()
             p.stdout.close()
     return elapsed
+
+
+# -- raw pyzmq stream -------------------------------------------------------------------------
+
+
+def chunk_bytes(value: int, elements: int) -> bytes:
+    """``elements`` bfloat16 values equal to ``value`` (< 256, exact in bfloat16), as raw bytes:
+    what a ``torch.full((1, 1, elements), value, dtype=torch.bfloat16)`` tensor holds."""
+    import struct
+
+    return struct.pack("<f", float(value))[2:4] * elements
+
+
+def _zmq_stream_source(in_addr: str, out_addr: str, elements: int) -> None:
+    """Per request ``{"rid", "chunks"}``: ``chunks`` messages ``[header, hidden]`` to the sink
+    (header = msgpack ``[rid, token, sent_ns]``, hidden = 2 × ``elements`` bytes), then an end
+    message ``[rid, -1, chunks]``."""
+    import zmq
+
+    ctx = zmq.Context(io_threads=1)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(out_addr)
+    packb, unpackb = _codec()
+    bank = [chunk_bytes(v, elements) for v in range(256)]
+    clock = time.monotonic_ns
+    while True:
+        msg = pull.recv()
+        if msg == STOP:
+            push.send(STOP)
+            break
+        req = unpackb(msg)
+        rid, n = req["rid"], req["chunks"]
+        for tok in range(n):
+            push.send_multipart([packb([rid, tok, clock()]), bank[tok & 255]])
+        push.send_multipart([packb([rid, -1, n])])
+    pull.close(0)
+    push.close()
+    ctx.term()
+
+
+def _zmq_stream_sink(in_addr: str, out_addr: str, elements: int) -> None:
+    """Reads every stream's chunks, checks their order and content, and sends the driver one
+    result per stream: ``{"rid", "n", "bad", "lat_us"}`` (latency of each chunk, µs)."""
+    import zmq
+
+    ctx = zmq.Context(io_threads=1)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(out_addr)
+    packb, unpackb = _codec()
+    heads = [chunk_bytes(v, 1) for v in range(256)]
+    nbytes = 2 * elements
+    clock = time.monotonic_ns
+    streams: dict[int, list] = {}  # rid -> [next token, bad, latencies]
+    while True:
+        frames = pull.recv_multipart()
+        if frames[0] == STOP:
+            push.send(STOP)
+            break
+        now = clock()
+        rid, tok, value = unpackb(frames[0])
+        state = streams.get(rid)
+        if state is None:
+            state = streams[rid] = [0, 0, []]
+        if tok < 0:
+            del streams[rid]
+            bad = state[1] + (state[0] != value)
+            push.send(packb({"rid": rid, "n": state[0], "bad": bad, "lat_us": state[2]}))
+            continue
+        hidden = frames[1]
+        if tok != state[0] or len(hidden) != nbytes or hidden[:2] != heads[tok & 255]:
+            state[1] += 1
+        state[0] += 1
+        state[2].append((now - value) / 1e3)
+    pull.close(0)
+    push.close()
+    ctx.term()
+
+
+class ZmqStream:
+    """A raw pyzmq stream of the same bytes as omni's stream scenario: driver → source process
+    (one request per stream), source → sink (``chunks`` two-frame messages, then an end
+    message), sink → driver (one result per stream). Blocking PUSH/PULL over ipc, msgspec's
+    msgpack for the headers."""
+
+    label = "raw pyzmq"
+
+    def __init__(self, elements: int):
+        import zmq
+
+        self.dir = tempfile.mkdtemp(prefix="omni-bench-zmqstream-")
+        src, sink, back = (f"ipc://{self.dir}/{name}" for name in ("src", "sink", "back"))
+        self.ctx = zmq.Context(io_threads=1)
+        self.back = self.ctx.socket(zmq.PULL)
+        self.back.bind(back)
+        ctx = _spawn()
+        self.procs = [ctx.Process(target=_zmq_stream_source, args=(src, sink, elements), daemon=True, name="zmq-stream-src"),
+                      ctx.Process(target=_zmq_stream_sink, args=(sink, back, elements), daemon=True, name="zmq-stream-sink")]
+        _start(self.procs)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(src)
+        self._packb, self._unpackb = _codec()
+        self._rid = 0
+        self.send(1)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.back.poll(100):
+            dead = [p.exitcode for p in self.procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                why = f"a process exited (exit codes {dead})" if dead else f"not within {START_TIMEOUT:g} s"
+                raise RuntimeError(f"raw pyzmq stream did not come up: {why}")
+        self.back.recv()
+
+    def pids(self) -> dict[str, int | None]:
+        return {"src": self.procs[0].pid, "sink": self.procs[1].pid}
+
+    def send(self, chunks: int) -> None:
+        self._rid += 1
+        self.push.send(self._packb({"rid": self._rid, "chunks": chunks}))
+
+    def streams(self, chunks: int, concurrency: int, duration: float, deadline: float,
+                results: list[dict] | None) -> tuple[int, float]:
+        """Keep ``concurrency`` streams of ``chunks`` chunks in flight for ``duration`` seconds,
+        then drain; each stream's result is appended to ``results``. Returns (streams completed,
+        elapsed seconds). Raises TimeoutError past ``deadline`` (``time.monotonic()``)."""
+        t0 = time.perf_counter()
+        end = t0 + duration
+        for _ in range(concurrency):
+            self.send(chunks)
+        inflight, done = concurrency, 0
+        back, unpackb = self.back, self._unpackb
+        while inflight:
+            if not back.poll(100):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"raw pyzmq stream: {inflight} streams still in flight at the deadline")
+                continue
+            got = unpackb(back.recv())
+            if results is not None:
+                results.append(got)
+            done += 1
+            inflight -= 1
+            if time.perf_counter() < end:
+                self.send(chunks)
+                inflight += 1
+        return done, time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self.push.send(STOP)
+                self.back.poll(5000)
+        finally:
+            _join(self.procs)
+            self.push.close(0)
+            self.back.close(0)
+            self.ctx.term()
+            shutil.rmtree(self.dir, ignore_errors=True)

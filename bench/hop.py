@@ -5,16 +5,19 @@ caller), so per-hop latency = round-trip time / (N + 1). omni (a real ``Pipeline
 stages, each in its own process) runs side by side with the raw pyzmq chain (the floor) and the
 ``multiprocessing.Queue`` chain (the naive alternative), in shuffled rounds so all three see the
 same machine noise; the Ray Compiled Graph chain (optional peer) runs after them in its own
-process.
+process. Around every measured round the CPU time of every process of the implementation (the
+caller and each stage) is read (``bench/cpu.py``): CPU µs per message per stage.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from . import common
 from .baselines import QueueChain, ZmqChain
+from .cpu import CpuAccount, CpuWindow, cpu_table
 
 NAME = "hop"
 PAYLOAD = {"text": "hello world", "x": 1, "ids": [1, 2, 3, 4]}
@@ -38,6 +41,9 @@ class OmniChain:
         self.loop = loop
         self.pipeline = Pipeline(chain(n, name=f"bench-hop-{n}"))
         loop.run(self.pipeline.start())
+
+    def pids(self) -> dict[str, int | None]:
+        return self.pipeline.pids()
 
     def block(self, payload: Any, count: int, samples: list[float] | None) -> None:
         async def go() -> None:
@@ -77,17 +83,21 @@ def measure(params: dict[str, Any], loop: common.Loop) -> list[dict[str, Any]]:
             chains["zmq"] = ZmqChain(n)
             chains["mpq"] = QueueChain(n)
             samples: dict[str, list[float]] = {k: [] for k in chains}
+            cpu = {k: CpuAccount() for k in chains}
 
             for name in chains:
                 _block(chains[name], params["warmup"], None)
             for order in common.rounds(list(chains), params["rounds"], seed=n):
                 for name in order:
-                    _block(chains[name], params["requests"], samples[name])
+                    with CpuWindow({"caller": os.getpid(), **chains[name].pids()}) as window:
+                        _block(chains[name], params["requests"], samples[name])
+                    cpu[name].add(window, params["requests"])  # every process handles each request once
         finally:
             for chain in chains.values():
                 chain.close()
         for name, s in samples.items():
-            rows.append({"n": n, "impl": name, "rtt_us": common.summarize(s, 1e6), "hop_us": common.summarize(s, 1e6 / (n + 1))})
+            rows.append({"n": n, "impl": name, "rtt_us": common.summarize(s, 1e6), "hop_us": common.summarize(s, 1e6 / (n + 1)),
+                         "cpu": cpu[name].report() if cpu[name].windows else None})
     return rows
 
 
@@ -139,6 +149,10 @@ def _ratios(doc: dict[str, Any], ns: list[int]) -> None:
                 continue
             for stat in ("median", "p99"):
                 entry[f"omni/{other} {stat}"] = common.ratio(omni["hop_us"][stat], r["hop_us"][stat])
+        for other in ("zmq", "mpq"):
+            r = row(doc, n, other)
+            if r is not None and omni.get("cpu") and r.get("cpu"):
+                entry[f"omni/{other} cpu per message per stage"] = common.ratio(omni["cpu"]["stage_us_per_message"], r["cpu"]["stage_us_per_message"])
         ray_row, zmq_at_ray = row(doc, n, "ray"), row(doc, n, "zmq@ray")
         if ray_row and zmq_at_ray:
             entry["ray/zmq median (same phase)"] = common.ratio(ray_row["hop_us"]["median"], zmq_at_ray["hop_us"]["median"])
@@ -168,7 +182,8 @@ def summary(doc: dict[str, Any]) -> str:
         line += [ratios.get("omni/zmq median"), ratios.get("omni/mpq median")]
         line += [ratios.get("omni/ray median")] if has_ray else []
         rows.append(line)
-    return "per-hop latency, one request in flight (µs; ratio < 1 means omni is faster)\n" + common.table(headers, rows)
+    text = "per-hop latency, one request in flight (µs; ratio < 1 means omni is faster)\n" + common.table(headers, rows)
+    return text + "\n\n" + cpu_table("stages", ns, lambda n, impl: row(doc, n, impl))
 
 
 def plot(doc: dict[str, Any], path: str, plt: Any) -> None:

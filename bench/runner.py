@@ -12,7 +12,7 @@ from typing import Any
 
 from . import common
 
-SCENARIOS = ("hop", "throughput", "relay", "startup", "scale")
+SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale", "serve")
 
 
 def scenario_module(name: str) -> Any:
@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="run the Ray Compiled Graph peer (default: on for full runs when ray is installed)")
     ray.add_argument("--no-ray", dest="ray", action="store_false", help="never run the Ray peer")
     parser.add_argument("--replot", action="store_true", help="redraw plots and tables from the JSON in --out; measure nothing")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="rewrite the <!-- bench:NAME --> blocks of this page (docs/performance.md) with the tables of the scenarios run or replotted")
     return parser.parse_args(argv)
 
 
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = args.scenario or list(SCENARIOS)
     plots = None if args.no_plots else (args.plots or args.out)
+    done: dict[str, dict[str, Any]] = {}
     if args.replot:
         for name in names:
             module = scenario_module(name)
@@ -96,16 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             if not path.exists():
                 common.log(f"{path} does not exist: run the scenario first")
                 continue
-            doc = json.loads(path.read_text())
+            doc = done[name] = json.loads(path.read_text())
             if plots is not None:
                 draw(module, doc, plots)
             print(f"\n## {name}: {path}\n{module.summary(doc)}")
+        _write_doc(args.doc, done)
         return 0
     ray = args.ray if args.ray is not None else not args.quick
     failed = []
     for name in names:
         try:
-            run_scenario(name, quick=args.quick, out=args.out, plots=plots, ray=ray)
+            done[name] = run_scenario(name, quick=args.quick, out=args.out, plots=plots, ray=ray)
         except KeyboardInterrupt:
             raise
         except Exception as exc:
@@ -113,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    _write_doc(args.doc, done)
     for line in failed:
         print(f"scenario failed: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _write_doc(path: Path | None, docs: dict[str, dict[str, Any]]) -> None:
+    if path is None or not docs:
+        return
+    from . import report
+
+    report.update(path, docs, {name: scenario_module(name) for name in docs})
+    common.log(f"{path}: tables of {', '.join(docs)} rewritten")

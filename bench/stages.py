@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -61,6 +63,72 @@ def source_sink(*, relay: str = "auto", options: dict | None = None, fresh: bool
         "stages": [
             {"name": "source", "factory": "bench.stages:Source", "args": {"fresh": fresh}, "next": "sink"},
             {"name": "sink", "factory": "bench.stages:Sink", "terminal": True},
+        ],
+        "relay": {"backend": relay, "options": dict(options or {})},
+        **fields,
+    }
+
+
+class ChunkSource:
+    """Streams ``payload["chunks"]`` chunks to its ``stream_to`` stage: ``{"h": <[1, 1, hidden]
+    bfloat16 tensor>, "tok": i, "t": <monotonic ns when emitted>}``, one ``ctx.emit`` each (a
+    thinker emitting a token and its hidden state per step). The tensors are made once (256 of
+    them, ``h`` filled with ``i % 256``), so the stage's own cost is the emit alone."""
+
+    def __init__(self, hidden: int = 2048):
+        self.bank = [torch.full((1, 1, hidden), float(v), dtype=torch.bfloat16) for v in range(256)]
+
+    async def __call__(self, payload, ctx):
+        emit, bank, clock = ctx.emit, self.bank, time.monotonic_ns
+        n = int(payload["chunks"])
+        for tok in range(n):
+            await emit({"h": bank[tok & 255], "tok": tok, "t": clock()})
+        return {"n": n}
+
+
+class ChunkSink:
+    """Reads the stream from ``source``: counts chunks, checks their order (``tok`` 0, 1, …),
+    shape, dtype and (every 16th and the last) content, and returns ``{"n", "bad", "lat_us"}``
+    with each chunk's latency from emit to read, in µs (one host, one monotonic clock)."""
+
+    def __init__(self, source: str = "src", hidden: int = 2048):
+        self.source = source
+        self.shape = (1, 1, hidden)
+
+    async def __call__(self, payload, ctx):
+        clock, shape = time.monotonic_ns, self.shape
+        n = bad = 0
+        lat = []
+        chunk = None
+        async for chunk in ctx.stream_from(self.source):
+            lat.append((clock() - chunk["t"]) / 1e3)
+            h = chunk["h"]
+            wrong = chunk["tok"] != n or tuple(h.shape) != shape or h.dtype is not torch.bfloat16
+            if wrong or (not n & 15 and int(h[0, 0, 0]) != n & 255):
+                bad += 1
+            n += 1
+        if chunk is not None and int(chunk["h"][0, 0, -1]) != chunk["tok"] & 255:
+            bad += 1
+        return {"n": n, "bad": bad, "lat_us": lat}
+
+
+def stream_pair(*, relay: str = "auto", options: dict | None = None, hidden: int = 2048,
+                name: str = "bench-stream", **fields) -> dict:
+    """``head`` → (``src``, ``sink``), ``src`` streaming to ``sink`` (``stream_to``) while both
+    run: ``head`` hands both their payload, so the sink reads the stream as it is produced.
+    ``src`` is not terminal (a terminal stage's chunks would go to the caller too): its result
+    goes to ``done``, an ``Echo`` in ``src``'s process (an object hand-over, no message). The
+    terminal stages are ``sink`` and ``done`` (the result is ``{"sink": …, "done": …}``). Three
+    processes: ``head``, ``src`` (with ``done``), ``sink``."""
+    return {
+        "name": name,
+        "stages": [
+            {"name": "head", "factory": "bench.stages:Echo", "next": ["src", "sink"]},
+            {"name": "src", "factory": "bench.stages:ChunkSource", "args": {"hidden": hidden},
+             "stream_to": ["sink"], "next": "done", "process": "src"},
+            {"name": "done", "factory": "bench.stages:Echo", "terminal": True, "process": "src"},
+            {"name": "sink", "factory": "bench.stages:ChunkSink", "args": {"source": "src", "hidden": hidden},
+             "terminal": True, "can_accept_stream_before_payload": True},
         ],
         "relay": {"backend": relay, "options": dict(options or {})},
         **fields,

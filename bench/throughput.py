@@ -4,17 +4,20 @@ Closed loop: ``concurrency`` requests are kept in flight for ``duration_s`` (a n
 soon as one completes), then the last ones drain; rate = completed / elapsed. omni (``Pipeline``
 of 3 ``Echo`` stages, ``concurrency`` tasks calling ``submit``) runs side by side with the raw
 pyzmq chain and the ``multiprocessing.Queue`` chain, pipelined to the same depth, in shuffled
-rounds; the Ray Compiled Graph chain (optional peer) runs after them in its own process.
+rounds; the Ray Compiled Graph chain (optional peer) runs after them in its own process. CPU µs
+per message of every process is read around every measured round (``bench/cpu.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
 from . import common
 from .baselines import QueueChain, ZmqChain
+from .cpu import CpuAccount, CpuWindow, cpu_table
 from .hop import LABELS, PAYLOAD
 
 NAME = "throughput"
@@ -22,7 +25,9 @@ SIZES = {
     "quick": {"stages": 3, "concurrency": [1, 16, 64, 256], "warmup_s": 0.3, "duration_s": 1.0, "rounds": 2},
     "full": {"stages": 3, "concurrency": [1, 16, 64, 256], "warmup_s": 1.0, "duration_s": 3.0, "rounds": 4},
 }
-TARGET_AT_64 = 0.15
+TARGET_AT_64 = 0.2  # x raw pyzmq
+TARGET_AT_64_MPQ = 1.0  # x mp.Queue
+TARGET_CPU_US = 20.0  # omni CPU per message per stage at 64 in flight
 
 
 class OmniPipelined:
@@ -34,6 +39,9 @@ class OmniPipelined:
         self.loop = loop
         self.pipeline = Pipeline(chain(n, name=f"bench-throughput-{n}"))
         loop.run(self.pipeline.start())
+
+    def pids(self) -> dict[str, int | None]:
+        return self.pipeline.pids()
 
     def pipelined(self, payload: Any, concurrency: int, duration: float) -> tuple[int, float]:
         submit = self.pipeline.submit
@@ -70,13 +78,17 @@ def measure(params: dict[str, Any], loop: common.Loop) -> list[dict[str, Any]]:
         for c in params["concurrency"]:
             common.log(f"throughput: {c} in flight")
             rates: dict[str, list[float]] = {k: [] for k in chains}
+            cpu = {k: CpuAccount() for k in chains}
             for name in chains:
                 chains[name].pipelined(PAYLOAD, c, params["warmup_s"])
             for order in common.rounds(list(chains), params["rounds"], seed=c):
                 for name in order:
-                    done, elapsed = chains[name].pipelined(PAYLOAD, c, params["duration_s"])
+                    with CpuWindow({"caller": os.getpid(), **chains[name].pids()}) as window:
+                        done, elapsed = chains[name].pipelined(PAYLOAD, c, params["duration_s"])
+                    cpu[name].add(window, done)  # every process handles each request once
                     rates[name].append(done / elapsed)
-            rows += [{"concurrency": c, "impl": name, "rps": common.summarize(r)} for name, r in rates.items()]
+            rows += [{"concurrency": c, "impl": name, "rps": common.summarize(r), "cpu": cpu[name].report()}
+                     for name, r in rates.items()]
     finally:
         for chain in chains.values():
             chain.close()
@@ -123,6 +135,9 @@ def _ratios(doc: dict[str, Any], concurrency: list[int]) -> None:
             r = row(doc, c, other)
             if r is not None:
                 entry[f"omni/{other}"] = common.ratio(omni["rps"]["median"], r["rps"]["median"])
+            if r is not None and omni.get("cpu") and r.get("cpu"):
+                entry[f"omni/{other} cpu per message per stage"] = common.ratio(
+                    omni["cpu"]["stage_us_per_message"], r["cpu"]["stage_us_per_message"])
         ray_row, zmq_at_ray = row(doc, c, "ray"), row(doc, c, "zmq@ray")
         if ray_row and zmq_at_ray:
             entry["ray/zmq (same phase)"] = common.ratio(ray_row["rps"]["median"], zmq_at_ray["rps"]["median"])
@@ -130,6 +145,11 @@ def _ratios(doc: dict[str, Any], concurrency: list[int]) -> None:
         if c == 64:
             doc["checks"][f"concurrency 64: omni >= {TARGET_AT_64} x raw pyzmq"] = (
                 entry.get("omni/zmq") is not None and entry["omni/zmq"] >= TARGET_AT_64)
+            doc["checks"][f"concurrency 64: omni >= {TARGET_AT_64_MPQ} x mp.Queue"] = (
+                entry.get("omni/mpq") is not None and entry["omni/mpq"] >= TARGET_AT_64_MPQ)
+            stage_cpu = (omni.get("cpu") or {}).get("stage_us_per_message")
+            doc["checks"][f"concurrency 64: omni CPU per message per stage <= {TARGET_CPU_US:g} µs"] = (
+                stage_cpu is not None and stage_cpu <= TARGET_CPU_US)
 
 
 def _rps(doc: dict[str, Any], c: int, impl: str) -> float | None:
@@ -148,7 +168,8 @@ def summary(doc: dict[str, Any]) -> str:
         line += [ratios.get("omni/zmq"), ratios.get("omni/mpq")] + ([ratios.get("omni/ray")] if has_ray else [])
         rows.append(line)
     stages = doc["parameters"].get("stages", 3)
-    return f"throughput of a {stages}-stage chain, closed loop (median requests/s; ratio > 1 means omni is faster)\n" + common.table(headers, rows)
+    text = f"throughput of a {stages}-stage chain, closed loop (median requests/s; ratio > 1 means omni is faster)\n" + common.table(headers, rows)
+    return text + "\n\n" + cpu_table("in flight", cs, lambda c, impl: row(doc, c, impl))
 
 
 def plot(doc: dict[str, Any], path: str, plt: Any) -> None:

@@ -9,9 +9,12 @@ and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` h
 ``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
 conflict detection. The callback's signature is::
 
-    register(name, obj, *, description=None, kind=None)
+    register(name, obj, *, description=None, kind=None, capabilities=None, options=None)
 
 ``kind`` is required for functions (``omni_register_functions``) and not accepted elsewhere.
+``capabilities`` (relays) and ``options`` (relays, placement strategies, launchers: an options
+schema, see :mod:`omni_core.options`) are registration metadata: omni plans and validates configs
+from them without importing ``obj``.
 ``obj`` is the object itself or a ``"package.module:attr"`` string, imported only when the name is
 used (keeps ``omni plugins list`` and planning cheap). Names are global per kind: two plugins that
 register the same name of the same kind are a conflict, reported naming both. Hooks are called again
@@ -63,16 +66,19 @@ def omni_register_functions(register):
 
 @hookspec
 def omni_register_relays(register):
-    """Register relay backends: ``register("shm", ShmRelay, description="...")``.
+    """Register relay backends:
+    ``register("acme", "acme_omni.relay:AcmeRelay", capabilities=CAPS, options=SCHEMA)``.
 
-    ``obj`` is a class implementing :class:`omni_core.relay.Relay`; its ``capabilities``
-    say which edges it can serve, so the ``auto`` backend can pick it.
+    ``obj`` is a class implementing :class:`omni_core.relay.Relay`. ``capabilities`` (a
+    :class:`omni_core.relay.RelayCapabilities` or a mapping of devices, scopes, priority) say
+    which edges it can serve, so the ``auto`` backend can pick it without importing it;
+    ``options`` is the schema of its ``relay.options``.
     """
 
 
 @hookspec
 def omni_register_placements(register):
-    """Register placement strategies: ``register("pack", pack, description="...")``.
+    """Register placement strategies: ``register("pack", pack, options=SCHEMA)``.
 
     A strategy is ``fn(request: omni_core.plan.PlacementRequest) -> dict[str, list[int | None]]``
     giving, for every stage, one GPU id (or None for CPU) per tensor-parallel rank, or per replica
@@ -83,7 +89,7 @@ def omni_register_placements(register):
 
 @hookspec
 def omni_register_launchers(register):
-    """Register launchers: ``register("local", LocalLauncher, description="...")``.
+    """Register launchers: ``register("local", LocalLauncher, options=SCHEMA)``.
 
     A launcher starts the planned processes and reports their liveness; see
     :class:`omni_core.runtime.launcher.Launcher` for the protocol.
@@ -102,4 +108,23 @@ def omni_register_pipelines(register):
     ``obj`` is a mapping, a path to a YAML/TOML file, a ``"package:resource"`` string naming a
     file shipped inside a package, or a zero-argument callable returning one of these. The name can
     then be used wherever a config path is accepted (``omni run demo``).
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving
+# --------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def omni_register_apis(register):
+    """Register HTTP APIs that ``omni serve`` can mount:
+    ``register("openai", "acme_omni.api:make_routes", description="...")``.
+
+    ``obj`` is a factory ``fn(api: omni_core.serve.ApiContext) -> routes``, called once in the
+    server process once the pipeline runs; ``api.pipeline`` is the running pipeline,
+    ``api.settings`` the server's settings and ``api.options`` this API's mapping from the config's
+    ``serve.options``. It returns Starlette routes (a list of routes, a ``Router``) or a FastAPI
+    ``APIRouter``. Mounted with ``omni serve --api NAME`` or the config's ``serve: {apis: [NAME]}``;
+    see docs/serving.md.
     """

@@ -3,11 +3,19 @@
 Every plugin, omni-core's own built-ins included, comes through the ``omni`` entry-point group.
 Loading is idempotent and cheap, because it runs again in every process omni spawns.
 
-Environment (read when plugins load, not at import):
+A plugin is identified by its distribution and entry-point name, ``dist:name`` (``omni-core:
+omni.relays``, ``omni-nccl:nccl``); omni-core's built-ins are named ``omni.*`` so they cannot
+clash with a third-party entry point.
 
-- ``OMNI_DISABLED_PLUGINS=a,b``: never load these (entry-point or distribution names).
-- ``OMNI_LOAD_PLUGINS=a,b``: load only these third-party plugins; omni-core's built-ins still load
+Environment (read when plugins load, not at import), each a comma-separated list of plugin ids
+(``dist:name``), entry-point names or distribution names:
+
+- ``OMNI_DISABLED_PLUGINS``: never load these.
+- ``OMNI_LOAD_PLUGINS``: load only these third-party plugins; omni-core's built-ins still load
   unless disabled. Set it empty to load no third-party plugin at all.
+
+A name in either variable that matches no installed plugin is a warning with the closest one
+(``Plugins.warnings``, shown by ``omni plugins list``).
 
 A plugin that fails to import or to register is recorded with its distribution, entry point and
 error, not raised: listing still works, and only using a name it would have provided fails.
@@ -32,6 +40,7 @@ from .registry import (
     FUNCTION_KINDS,
     HOOK_KINDS,
     KIND_LABELS,
+    KIND_SPECS,
     BrokenPlugin,
     Entry,
     Registry,
@@ -61,8 +70,14 @@ class PluginInfo:
     builtin: bool = False
     traceback: str | None = attrs.field(default=None, repr=False)
 
+    @property
+    def id(self) -> str:
+        """``distribution:entry-point`` (just the name for a plugin that is not installed)."""
+        return f"{normalize_distribution(self.distribution)}:{self.name}" if self.distribution else self.name
+
     def to_dict(self) -> dict[str, Any]:
         return {
+            "id": self.id,
             "name": self.name,
             "module": self.module,
             "distribution": self.distribution,
@@ -82,34 +97,79 @@ class Plugins:
     infos: list[PluginInfo]
     registry: Registry
 
+    warnings: list[str] = attrs.Factory(list)
+
     def info(self, name: str) -> PluginInfo:
+        """The plugin ``name``: its id (``dist:name``) or, when only one has it, its entry-point name."""
         for info in self.infos:
-            if info.name == name:
+            if info.id == name:
                 return info
-        raise PluginError(f"no plugin named {name!r}; loaded: {', '.join(self.names())}")
+        found = [info for info in self.infos if info.name == name]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise PluginError(f"more than one plugin is named {name!r}: {', '.join(i.id for i in found)}; use the id")
+        guess = difflib.get_close_matches(name, self.names() + [i.id for i in self.infos], n=1)
+        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        raise PluginError(f"no plugin named {name!r}{hint}; loaded: {', '.join(self.names())}")
 
     def names(self) -> list[str]:
         return [info.name for info in self.infos]
 
 
 def _split_env(value: str | None) -> set[str] | None:
+    """The names in an environment variable; a distribution part (``omni_nccl:nccl``, ``Omni_NCCL``)
+    is also kept normalized, so every spelling pip accepts matches."""
     if value is None:
         return None
-    return {part.strip() for part in value.split(",") if part.strip()}
+    out: set[str] = set()
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        out.add(part)
+        dist, sep, name = part.rpartition(":")
+        out.add(f"{normalize_distribution(dist)}:{name}" if sep else normalize_distribution(part))
+    return out
+
+
+def _selectors(ep_name: str, dist: str | None) -> set[str]:
+    """What an environment variable may call this entry point: its id, name or distribution."""
+    if not dist:
+        return {ep_name}
+    dist = normalize_distribution(dist)
+    return {ep_name, dist, f"{dist}:{ep_name}"}
+
+
+def _matches(selectors: set[str], wanted: set[str]) -> bool:
+    return bool(selectors & wanted)
 
 
 def _skip_reason(
     ep_name: str, dist: str | None, enabled: set[str] | None, disabled: set[str]
 ) -> str | None:
     """Why the environment keeps this entry point from loading (None: load it)."""
-    names = {ep_name} | ({normalize_distribution(dist)} if dist else set())
-    if names & {normalize_distribution(n) for n in disabled} or ep_name in disabled:
+    names = _selectors(ep_name, dist)
+    if _matches(names, disabled):
         return "disabled by OMNI_DISABLED_PLUGINS"
     if dist and normalize_distribution(dist) == CORE_DISTRIBUTION:
         return None
-    if enabled is None or ep_name in enabled or names & {normalize_distribution(n) for n in enabled}:
+    if enabled is None or _matches(names, enabled):
         return None
     return "not listed in OMNI_LOAD_PLUGINS"
+
+
+def _unknown_selectors(variable: str, value: str | None, known: list[set[str]]) -> list[str]:
+    """Warnings for names in ``variable`` that match no plugin, with the closest known one."""
+    everything = sorted(set().union(*known)) if known else []
+    out = []
+    for part in (p.strip() for p in (value or "").split(",")):
+        if not part or any(_matches(sel, _split_env(part) or set()) for sel in known):
+            continue
+        guess = difflib.get_close_matches(part, everything, n=1)
+        ids = ", ".join(s for s in everything if ":" in s) or "(none installed)"
+        hint = f"did you mean {guess[0]!r}?" if guess else f"plugins: {ids}"
+        out.append(f"{variable}: no installed plugin is called {part!r} ({hint})")
+    return out
 
 
 def _is_core(ep: metadata.EntryPoint) -> bool:
@@ -158,13 +218,47 @@ def _hook_problems(plugin: object) -> list[str]:
     return problems
 
 
+def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str) -> dict[str, Any]:
+    """The checked registration metadata of one entry; a class registered as an object may carry
+    it as class attributes instead (``capabilities``, ``options_schema``)."""
+    from .options import as_schema
+    from .relay.base import RelayCapabilities, as_capabilities
+
+    allowed = KIND_SPECS[kind].metadata
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        takes = f"; a {KIND_LABELS[kind]} takes {', '.join(allowed)}" if allowed else ""
+        raise PluginError(f"{where}: unexpected keyword(s) {', '.join(unknown)} for {name!r}{takes}")
+    meta: dict[str, Any] = {}
+    if "capabilities" in allowed:
+        value = given.get("capabilities")
+        if value is None and isinstance(getattr(obj, "capabilities", None), RelayCapabilities):
+            value = obj.capabilities
+        if value is not None:
+            try:
+                meta["capabilities"] = as_capabilities(value)
+            except (TypeError, ValueError) as exc:
+                raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: {exc}") from None
+    if "options" in allowed:
+        value = given.get("options")
+        if value is None and not isinstance(obj, str):
+            value = getattr(obj, "options_schema", None)
+        if value is not None:
+            try:
+                meta["options"] = as_schema(value)
+            except ValueError as exc:
+                raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: {exc}") from None
+    return meta
+
+
 class _Collector:
     """The ``register`` callback handed to one plugin's hook: checks each call and keeps the
     entries until the plugin finished registering (a plugin that fails registers nothing)."""
 
-    def __init__(self, plugin: str, hook: str):
+    def __init__(self, plugin: str, hook: str, distribution: str | None = None):
         self.plugin = plugin
         self.hook = hook
+        self.distribution = distribution
         self.entries: list[Entry] = []
 
     def __call__(self, name: str, obj: Any, *, description: str | None = None, kind: str | None = None, **extra: Any) -> None:
@@ -181,8 +275,7 @@ class _Collector:
             raise PluginError(f"{where}: {name!r} cannot take kind={kind!r} here")
         else:
             kind = kinds[0]
-        if extra:
-            raise PluginError(f"{where}: unexpected keyword(s) {', '.join(sorted(extra))} for {name!r}")
+        meta = _metadata(kind, name, obj, extra, where)
         if obj is None:
             raise PluginError(f"{where}: {name!r} registered None")
         if isinstance(obj, str) and kind != "pipeline" and ":" not in obj:
@@ -199,7 +292,8 @@ class _Collector:
             raise PluginError(f"{where}: {name!r} must be callable, got {type(obj).__name__}")
         if any(e.kind == kind and e.name == name for e in self.entries):
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r} is registered twice")
-        self.entries.append(Entry(kind=kind, name=name, target=obj, plugin=self.plugin, description=description))
+        self.entries.append(Entry(kind=kind, name=name, target=obj, plugin=self.plugin, description=description,
+                                  meta=meta, distribution=self.distribution))
 
 
 def _register_plugin(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo, plugin: object) -> None:
@@ -210,11 +304,11 @@ def _register_plugin(pm: pluggy.PluginManager, registry: Registry, info: PluginI
     problems = _hook_problems(plugin)
     if problems:
         raise PluginError("; ".join(problems))
-    pm.register(plugin, name=info.name)
+    pm.register(plugin, name=info.id)
     info.hooks = [name for name in HOOK_NAMES if _implements(pm, plugin, name)]
     collected: list[Entry] = []
     for hook_name in info.hooks:
-        collector = _Collector(info.name, hook_name)
+        collector = _Collector(info.name, hook_name, info.distribution)
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin is not plugin:
                 continue
@@ -264,8 +358,10 @@ def load_plugins(
     infos: list[PluginInfo] = []
 
     candidates: list[tuple[PluginInfo, Callable[[], object]]] = []
+    known: list[set[str]] = []
     for ep in _entry_points():
         dist = ep.dist.name if ep.dist else None
+        known.append(_selectors(ep.name, dist))
         reason = _skip_reason(ep.name, dist, enabled, disabled)
         if reason is not None:
             registry.skipped.append(f"plugin {ep.name!r} ({reason})")
@@ -279,18 +375,21 @@ def load_plugins(
         )
         candidates.append((info, ep.load))
     for name, obj in extra:
+        known.append({name})
         if name in disabled:
             registry.skipped.append(f"plugin {name!r} (disabled by OMNI_DISABLED_PLUGINS)")
             continue
         info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
         candidates.append((info, lambda obj=obj: obj))
 
+    warnings = (_unknown_selectors("OMNI_LOAD_PLUGINS", env.get("OMNI_LOAD_PLUGINS"), known)
+                + _unknown_selectors("OMNI_DISABLED_PLUGINS", env.get("OMNI_DISABLED_PLUGINS"), known))
     for info, load in candidates:
         infos.append(info)
-        if pm.has_plugin(info.name):
-            other = next(i for i in infos if i.name == info.name and i is not info)
+        if pm.has_plugin(info.id):
+            other = next(i for i in infos if i.id == info.id and i is not info)
             info.error = (
-                f"another plugin is already loaded under the name {info.name!r}"
+                f"another plugin is already loaded under the name {info.id!r}"
                 f" (module {other.module}, distribution {other.distribution or '-'})"
             )
             registry.broken.append(BrokenPlugin(info.name, info.distribution, info.error))
@@ -301,12 +400,12 @@ def load_plugins(
         except (Exception, SystemExit) as exc:  # a broken plugin is recorded, never fatal
             info.error = _error_text(exc)
             info.registered = {}
-            if pm.has_plugin(info.name):
-                pm.unregister(name=info.name)
+            if pm.has_plugin(info.id):
+                pm.unregister(name=info.id)
             registry.broken.append(BrokenPlugin(info.name, info.distribution, info.error))
             info.traceback = traceback.format_exc()
     pm.check_pending()
-    return Plugins(pm=pm, infos=infos, registry=registry)
+    return Plugins(pm=pm, infos=infos, registry=registry, warnings=warnings)
 
 
 _loaded: Plugins | None = None

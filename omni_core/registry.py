@@ -31,25 +31,61 @@ FUNCTION_KINDS: tuple[str, ...] = (
     "terminal_stages",
 )
 
+@attrs.frozen
+class KindSpec:
+    """One kind of registered thing: its name in the registry, the words for it in messages,
+    the hook that registers it, and the metadata keywords ``register`` accepts for it besides
+    ``description`` (for example a relay's ``capabilities`` and ``options`` schema). A new kind
+    is one entry of :data:`KINDS` plus its hook in :mod:`omni_core.hookspecs`."""
+
+    name: str
+    label: str
+    hook: str
+    metadata: tuple[str, ...] = ()
+
+
+#: Every registry kind, in the order tools show them.
+KINDS: tuple[KindSpec, ...] = (
+    KindSpec("stage", "stage factory", "omni_register_stages"),
+    *(KindSpec(kind, f"{kind} function", "omni_register_functions") for kind in FUNCTION_KINDS),
+    KindSpec("relay", "relay", "omni_register_relays", ("capabilities", "options")),
+    KindSpec("placement", "placement strategy", "omni_register_placements", ("options",)),
+    KindSpec("launcher", "launcher", "omni_register_launchers", ("options",)),
+    KindSpec("pipeline", "pipeline", "omni_register_pipelines"),
+    KindSpec("api", "API", "omni_register_apis", ("options",)),
+)
+
+KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in KINDS}
+
 #: Every registry kind, mapped to the words used for it in messages.
-KIND_LABELS: dict[str, str] = {
-    "stage": "stage factory",
-    **{kind: f"{kind} function" for kind in FUNCTION_KINDS},
-    "relay": "relay",
-    "placement": "placement strategy",
-    "launcher": "launcher",
-    "pipeline": "pipeline",
-}
+KIND_LABELS: dict[str, str] = {spec.name: spec.label for spec in KINDS}
 
 #: Which hook registers which kinds.
-HOOK_KINDS: dict[str, tuple[str, ...]] = {
-    "omni_register_stages": ("stage",),
-    "omni_register_functions": FUNCTION_KINDS,
-    "omni_register_relays": ("relay",),
-    "omni_register_placements": ("placement",),
-    "omni_register_launchers": ("launcher",),
-    "omni_register_pipelines": ("pipeline",),
+HOOK_KINDS: dict[str, tuple[str, ...]] = {}
+for _spec in KINDS:
+    HOOK_KINDS[_spec.hook] = (*HOOK_KINDS.get(_spec.hook, ()), _spec.name)
+del _spec
+
+
+#: Names that omni's own distributions provide, so that an unknown one can say what to install:
+#: ``(kind, name or "prefix.")`` → ``(distribution, its folder in the omni repository)``.
+KNOWN_PROVIDERS: dict[tuple[str, str], tuple[str, str]] = {
+    ("relay", "nccl"): ("omni-nccl", "plugins/omni-nccl"),
+    ("relay", "cuda_ipc"): ("omni-cuda-ipc", "plugins/omni-cuda-ipc"),
+    ("launcher", "ray"): ("omni-ray", "plugins/omni-ray"),
+    ("placement", "ray"): ("omni-ray", "plugins/omni-ray"),
+    ("stage", "transformers."): ("omni-transformers", "plugins/omni-transformers"),
+    ("*", "contrib."): ("omni-contrib-stages", "contrib_stages"),
+    ("pipeline", "demo"): ("omni-contrib-stages", "contrib_stages"),
 }
+
+
+def known_provider(kind: str, name: str) -> tuple[str, str] | None:
+    """The omni distribution that provides ``name`` of ``kind``, when omni knows one."""
+    for (k, ref), provider in KNOWN_PROVIDERS.items():
+        if k in (kind, "*") and (name == ref or (ref.endswith(".") and name.startswith(ref))):
+            return provider
+    return None
 
 
 def normalize_distribution(name: str) -> str:
@@ -116,7 +152,29 @@ class Entry:
     target: Any
     plugin: str
     description: str | None = None
+    #: Registration metadata (``capabilities``, ``options`` schema ...), read without importing
+    #: ``target``: planning and validation decide from it.
+    meta: dict[str, Any] = attrs.field(factory=dict)
+    #: The plugin's distribution (None for plugins that are not installed).
+    distribution: str | None = None
     _loaded: Any = attrs.field(default=None, repr=False)
+
+    @property
+    def capabilities(self) -> Any:
+        """A relay's declared :class:`~omni_core.relay.RelayCapabilities` (None: undeclared)."""
+        return self.meta.get("capabilities")
+
+    @property
+    def options(self) -> Any:
+        """The declared options schema (name → :class:`~omni_core.options.Option`; None:
+        undeclared, options are then checked only when the object reads them)."""
+        return self.meta.get("options")
+
+    @property
+    def owner(self) -> str:
+        """``plugin 'x' (distribution d)``, for messages."""
+        dist = f" (distribution {self.distribution})" if self.distribution else ""
+        return f"plugin {self.plugin!r}{dist}"
 
     def load(self) -> Any:
         """The registered object, importing it first when it was registered as a dotted path.
@@ -129,7 +187,7 @@ class Entry:
                     self._loaded = import_ref(self.target)
                 except PluginError as exc:
                     raise PluginError(
-                        f"{KIND_LABELS[self.kind]} {self.name!r} of plugin {self.plugin!r} "
+                        f"{KIND_LABELS[self.kind]} {self.name!r} of {self.owner} "
                         f"cannot be loaded: {exc}"
                     ) from exc
             else:
@@ -242,6 +300,10 @@ class Registry:
         elif guess:
             text += f" (did you mean {guess!r}?)"
         text += f"; known: {', '.join(known) if known else '(none registered)'}"
+        provider = known_provider(kind, name)
+        if provider:
+            text += (f"; {name!r} is provided by the distribution {provider[0]}: install it from its "
+                     f"folder in the omni repository (pip install ./{provider[1]})")
         if self.broken:
             text += "; note: " + "; ".join(b.describe() for b in self.broken)
         if self.skipped:

@@ -13,10 +13,11 @@ from omni_core.testing.cuda import pytest_configure, pytest_runtest_setup  # noq
 
 @pytest.fixture(autouse=True)
 def _isolated_plugins(monkeypatch):
-    """No test sees the plugin selection of the shell that runs pytest, nor a registry loaded
-    by an earlier test."""
-    for key in ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS"):
-        monkeypatch.delenv(key, raising=False)
+    """Hermetic plugins: every test (and every process it starts) loads omni-core's built-ins
+    only, whatever else is installed, unless it selects plugins itself; no test sees the
+    plugin selection of the shell that runs pytest, nor a registry loaded by an earlier test."""
+    monkeypatch.delenv("OMNI_DISABLED_PLUGINS", raising=False)
+    monkeypatch.setenv("OMNI_LOAD_PLUGINS", "")
     reset_plugins()
     yield
     reset_plugins()

@@ -125,6 +125,30 @@ GOOD = FakeDistribution(
                 register("acme.launcher", GoodLauncher)
 
 
+            def make_api(api):
+                """An HTTP API for omni serve: POST /v1/acme/echo runs the body through the
+                pipeline; GET /v1/acme/options shows this API's options from the config."""
+                from starlette.responses import JSONResponse
+                from starlette.routing import Route
+
+                async def echo(request):
+                    try:
+                        result = await api.submit(await request.json())
+                    except Exception as exc:
+                        return api.error_response(exc)
+                    return JSONResponse({"acme": result, "pipeline": api.pipeline_name})
+
+                async def options(request):
+                    return JSONResponse(api.options)
+
+                return [Route("/v1/acme/echo", echo, methods=["POST"]), Route("/v1/acme/options", options)]
+
+
+            @omni_core.hookimpl
+            def omni_register_apis(register):
+                register("acme.api", make_api, description="echoes through the pipeline")
+
+
             @omni_core.hookimpl
             def omni_register_pipelines(register):
                 register("acme.demo", "omnitest_good:demo.yaml")
@@ -271,7 +295,31 @@ def _duplicate(letter: str) -> FakeDistribution:
 DUP_A = _duplicate("a")
 DUP_B = _duplicate("b")
 
-ALL = (GOOD, BROKEN, RAISES, MISSPELLED, DISABLED, DUP_A, DUP_B)
+BROKEN_RELAY = FakeDistribution(
+    name="omnitest-brokenrelay",
+    version="0.3.0",
+    entry_points={"brokenrelay": "omnitest_brokenrelay.plugin"},
+    files={
+        "omnitest_brokenrelay/__init__.py": "",
+        "omnitest_brokenrelay/plugin.py": '''
+            """Registers a relay, lazily and with its capabilities, whose module cannot import."""
+            import omni_core
+            from omni_core.options import positive_int
+
+
+            @omni_core.hookimpl
+            def omni_register_relays(register):
+                register("brokenrelay", "omnitest_brokenrelay.relay:BrokenRelay",
+                         capabilities={"devices": ["cpu", "cuda"], "scopes": ["node"], "priority": 1},
+                         options={"slots": positive_int(8, "credits")})
+        ''',
+        "omnitest_brokenrelay/relay.py": '''
+            raise ImportError("omnitest_brokenrelay.relay needs a library that is not installed")
+        ''',
+    },
+)
+
+ALL = (GOOD, BROKEN, RAISES, MISSPELLED, DISABLED, DUP_A, DUP_B, BROKEN_RELAY)
 
 
 def make_plugin_site(site: Path) -> Path:
@@ -296,6 +344,11 @@ def omni_command() -> list[str]:
     return [sys.executable, "-c", "from omni_core.cli import main; main()"]
 
 
+def _distributions_in(site: Path | str) -> list[str]:
+    """The distributions installed in ``site`` (their ``*.dist-info`` folders)."""
+    return sorted(p.name.split("-")[0] for p in Path(site).glob("*.dist-info"))
+
+
 def run_omni(
     *args: str, pythonpath: Path | str | None = None, env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
@@ -303,6 +356,8 @@ def run_omni(
     """Run ``omni ARGS`` in a fresh process; ``pythonpath`` makes extra distributions visible."""
     skip = ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS")
     full_env = {k: v for k, v in os.environ.items() if k not in skip}
+    # hermetic: the distributions in ``pythonpath`` load, nothing else installed does
+    full_env["OMNI_LOAD_PLUGINS"] = ",".join(_distributions_in(pythonpath)) if pythonpath is not None else ""
     full_env["NO_COLOR"] = "1"
     if pythonpath is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(

@@ -57,7 +57,7 @@ def test_json_lists_every_plugin_with_name_version_hooks_registered_and_error(pl
     assert listed["broken"]["registered"] == {}
     assert "unknown hook 'omni_register_stage'" in listed["misspelled"]["error"]
     assert listed["raises"]["error"] == "hook omni_register_stages raised RuntimeError: model catalogue not found"
-    assert all(listed[name]["builtin"] for name in ("functions", "placements", "relays"))
+    assert all(listed[name]["builtin"] for name in ("omni.functions", "omni.placements", "omni.relays"))
 
 
 def test_json_reports_a_name_conflict_naming_both_plugins(plugin_site_dir):
@@ -86,13 +86,20 @@ def test_hook_option_keeps_only_plugins_implementing_it(hook, plugin_site, monke
     result = omni_in_process("plugins", "list", "--json", "--hook", hook)
     assert result.exit_code == 0, result.output
     names = [p["name"] for p in json.loads(result.stdout)]
-    assert names == ["relays", "good"]
+    assert names == ["omni.relays", "good"]
 
 
 def test_unknown_hook_option_is_a_usage_error_listing_the_hooks():
     result = omni_in_process("plugins", "list", "--hook", "omni_register_stage")
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: unknown hook 'omni_register_stage'; hooks are: omni_register_stages,")
+    assert result.stderr.startswith(
+        "error: unknown hook 'omni_register_stage' (did you mean 'omni_register_stages'?); hooks are: omni_register_stages,")
+
+
+def test_a_short_hook_name_gets_a_short_guess():
+    result = omni_in_process("plugins", "list", "--hook", "relay")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: unknown hook 'relay' (did you mean 'relays'?); hooks are:")
 
 
 def test_errors_are_shown_as_text_never_as_markup(tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ def test_loaded_config_holds_what_the_file_says(registry):
     assert thinker.gpu == (2, 3)
     assert cfg.stage("vision").gpu == (1,)
     assert cfg.stage("vision").memory == 2.5e9
-    assert cfg.stage("vision").relay == RelayConfig(backend="inline", options={"copy": False})
+    assert cfg.stage("vision").relay == RelayConfig(backend="shm", options={"slots": 8})
     assert cfg.stage("router").project_payload == {"audio": "acme.project"}
     assert cfg.terminal_stages == ["talker"]
 

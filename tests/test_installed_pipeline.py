@@ -108,6 +108,7 @@ def site(tmp_path_factory) -> Path:
 
 def _env(site: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["OMNI_LOAD_PLUGINS"] = "acme-omni"  # hermetic: this distribution and the built-ins only
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
@@ -143,6 +144,7 @@ def test_installed_pipeline_runs_through_the_pipeline_api(site, monkeypatch):
     from omni_core.plugins import reset_plugins
 
     monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("OMNI_LOAD_PLUGINS", "acme-omni")
     reset_plugins()
 
     async def body():

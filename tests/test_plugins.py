@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from unittest import mock
 
 import pluggy
@@ -11,12 +10,9 @@ import pytest
 from plugin_fixtures import (
     BROKEN,
     GOOD,
-    FakeDistribution,
-    install_distribution,
 )
 
 import omni_core
-from omni_core.config import load_config
 from omni_core.errors import PluginError
 from omni_core.plugins import (
     HOOK_NAMES,
@@ -28,7 +24,7 @@ from omni_core.plugins import (
 )
 
 #: omni-core's own plugins (more may be added; these are the ones the tests rely on).
-BUILTINS = {"functions", "placements", "relays"}
+BUILTINS = {"omni.functions", "omni.placements", "omni.relays", "omni.launchers"}
 
 
 def builtin_names(plugins) -> set[str]:
@@ -61,6 +57,7 @@ def test_installed_plugin_is_discovered_with_its_distribution_version_and_hooks(
         "placement": ["acme.cpu"],
         "launcher": ["acme.launcher"],
         "pipeline": ["acme.demo", "acme.inline"],
+        "api": ["acme.api"],
     }
     upper = plugins.registry.get("stage", "acme.upper")
     assert upper.plugin == "good"
@@ -130,7 +127,7 @@ def test_extra_plugins_load_like_installed_ones():
 
 
 def test_info_of_an_unknown_plugin_lists_the_loaded_ones(load):
-    with pytest.raises(PluginError, match=r"no plugin named 'nope'; loaded: functions"):
+    with pytest.raises(PluginError, match=r"no plugin named 'nope'; loaded: omni.functions"):
         load("").info("nope")
 
 
@@ -201,7 +198,7 @@ def test_marked_function_without_the_omni_prefix_is_an_unknown_hook_not_a_crash(
 
     plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("noprefix", Plugin())])
     assert plugins.info("noprefix").error.startswith("unknown hook 'register_stages'")
-    assert plugins.info("functions").error is None
+    assert plugins.info("omni.functions").error is None
 
 
 def test_hook_function_without_the_marker_is_an_error_not_silently_ignored():
@@ -359,8 +356,8 @@ def test_omni_load_plugins_accepts_distribution_names(load):
 
 
 def test_builtins_can_be_disabled_too(load):
-    plugins = load("", OMNI_DISABLED_PLUGINS="functions")
-    assert "functions" not in plugins.names()
+    plugins = load("", OMNI_DISABLED_PLUGINS="omni.functions")
+    assert "omni.functions" not in plugins.names()
     assert plugins.registry.names("merge") == []
 
 
@@ -398,8 +395,8 @@ def test_plugin_clashing_with_a_builtin_name_is_reported():
             register("omni.merge_dicts", dict, kind="merge")
 
     plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("clash", Plugin())])
-    assert "also registered by plugin 'functions'" in plugins.info("clash").error
-    assert "more than one plugin: 'functions' and 'clash'" in plugins.registry.problem(
+    assert "also registered by plugin 'omni.functions'" in plugins.info("clash").error
+    assert "more than one plugin: 'omni.functions' and 'clash'" in plugins.registry.problem(
         "merge", "omni.merge_dicts"
     )
 
@@ -410,57 +407,40 @@ def test_two_plugins_under_one_name_keep_the_first(load):
         def omni_register_stages(self, register):
             register("impostor.stage", dict)
 
-    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("relays", Impostor())])
-    impostor = [i for i in plugins.infos if i.name == "relays"][-1]
-    assert impostor.error.startswith("another plugin is already loaded under the name 'relays'")
-    assert "omni_core.builtin.relays" in impostor.error
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("acme", object()), ("acme", Impostor())])
+    impostor = [i for i in plugins.infos if i.name == "acme"][-1]
+    assert impostor.error.startswith("another plugin is already loaded under the name 'acme'")
     assert "impostor.stage" not in plugins.registry.names("stage")
 
 
-# -- the plugin guide's example ---------------------------------------------------------------------
+def test_a_third_party_entry_point_named_like_a_builtin_does_not_clash():
+    class Relays:
+        @hookimpl
+        def omni_register_stages(self, register):
+            register("relays.stage", dict)
 
-GUIDE = Path(__file__).parent.parent / "docs" / "plugins.md"
-
-
-def guide_block(after: str) -> str:
-    """The first fenced code block after the line containing ``after`` in docs/plugins.md."""
-    text = GUIDE.read_text()
-    start = text.index("```", text.index(after))
-    body_start = text.index("\n", start) + 1
-    return text[body_start:text.index("```", body_start)]
-
-
-def test_plugin_guide_example_installs_registers_and_validates(tmp_path, monkeypatch):
-    install_distribution(tmp_path, FakeDistribution(
-        name="acme-omni", version="0.1.0", entry_points={"acme": "acme_omni.plugin"},
-        files={
-            "acme_omni/__init__.py": "",
-            "acme_omni/plugin.py": guide_block("`src/acme_omni/plugin.py`:"),
-            "acme_omni/stages.py": guide_block("`src/acme_omni/stages.py`:"),
-            "acme_omni/pipelines/demo.yaml": guide_block("A config then uses the names"),
-        },
-    ))
-    forget_guide_modules()  # another test may have imported a package of the same name
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": "acme"})
-        info = plugins.info("acme")
-        assert info.error is None
-        assert info.registered == {
-            "stage": ["acme.upper"],
-            "route": ["acme.pick_by_language"],
-            "merge": ["acme.join_texts"],
-            "pipeline": ["acme.demo"],
-        }
-        assert "acme_omni.stages" not in sys.modules, "the guide registers the stage lazily"
-        registry = plugins.registry
-        cfg = load_config("acme.demo", registry=registry)
-        assert (cfg.name, cfg.entry, cfg.terminal_stages) == ("acme-demo", "split", ["out"])
-        assert registry.resolve("stage", "acme.upper").__name__ == "UpperStage"
-    finally:
-        forget_guide_modules()
+    plugins = load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("relays", Relays())])
+    assert plugins.info("relays").error is None
+    assert plugins.info("omni.relays").error is None
+    assert plugins.info("omni-core:omni.relays").builtin
+    assert "shm" in plugins.registry.names("relay")
 
 
-def forget_guide_modules() -> None:
-    for name in [m for m in sys.modules if m == "acme_omni" or m.startswith("acme_omni.")]:
-        del sys.modules[name]
+def test_plugins_are_identified_by_distribution_and_entry_point(load):
+    plugins = load("omnitest-good:good")
+    assert plugins.info("good").id == "omnitest-good:good"
+    assert plugins.info("omnitest-good:good") is plugins.info("good")
+    assert plugins.info("omni-core:omni.functions").builtin
+
+
+def test_disabling_by_id_and_by_plain_name(load):
+    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni-core:omni.relays").names()
+    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni.relays").names()
+    assert "good" not in load("good", OMNI_DISABLED_PLUGINS="omnitest_good:good").names()
+
+
+def test_unknown_plugin_names_in_the_environment_are_warnings_with_a_guess(load):
+    plugins = load("godo", OMNI_DISABLED_PLUGINS="omni.relay")
+    assert "OMNI_LOAD_PLUGINS: no installed plugin is called 'godo' (did you mean 'good'?)" in plugins.warnings
+    assert "OMNI_DISABLED_PLUGINS: no installed plugin is called 'omni.relay' (did you mean 'omni.relays'?)" in plugins.warnings
+    assert load("good").warnings == []

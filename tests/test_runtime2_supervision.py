@@ -108,8 +108,9 @@ def test_default_limits_bound_every_wait():
 
 def test_a_request_submitted_while_restarting_waits_for_the_restart_then_is_served(tmp_path):
     """The documented choice (docs/runtime.md): during a restart, new requests wait for it
-    (bounded by their timeout) rather than reach a process that is not running. The restarted
-    factory is held until the request was submitted, so it is submitted while restarting."""
+    (bounded by their timeout) before admission, rather than reach a process that is not
+    running. The restarted factory is held until the request was submitted, so it is submitted
+    while restarting."""
     gate = tmp_path / "go"
     cfg = pipeline(stage("g", "Gate", args={"marker": str(tmp_path / "started"), "gate": str(gate)},
                          terminal=True), restart=RESTART)
@@ -124,6 +125,7 @@ def test_a_request_submitted_while_restarting_waits_for_the_restart_then_is_serv
             for _ in range(20):  # let the submission run as far as it can
                 await asyncio.sleep(0)
             assert not waiting.done(), "a request submitted while restarting must wait for the restart"
+            assert not p.requests, "a request was admitted while its process group was restarting"
             gate.touch()
             result = await asyncio.wait_for(waiting, 60)
             assert result == {"n": 1, "pid": p.pids()["g"]} and p.pids()["g"] != old["g"]

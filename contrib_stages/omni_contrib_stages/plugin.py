@@ -1,4 +1,5 @@
-"""The omni plugin of omni-contrib-stages: registers its stages, functions and the demo pipeline.
+"""The omni plugin of omni-contrib-stages: registers its stages, functions, the demo pipeline and
+the ``openai`` API of ``omni serve``.
 
 Everything is registered by dotted path, so loading the plugin (which omni does in every process)
 imports nothing but this module; a stage's code is imported only in the process that runs it.
@@ -62,4 +63,17 @@ def omni_register_functions(register):
 @omni_core.hookimpl
 def omni_register_pipelines(register):
     for name, target, description in PIPELINES:
+        register(name, target, description=description)
+
+
+#: APIs for ``omni serve``: (name, dotted path of the factory, description).
+APIS: tuple[tuple[str, str, str], ...] = (
+    ("openai", "omni_contrib_stages.openai_api:make_routes",
+     "OpenAI-compatible /v1/chat/completions (text and audio, streamed or not) and /v1/models"),
+)
+
+
+@omni_core.hookimpl
+def omni_register_apis(register):
+    for name, target, description in APIS:
         register(name, target, description=description)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from ..options import choice
 from ..plugins import hookimpl
+
+LOCAL_OPTIONS = {
+    "start_method": choice(("forkserver", "spawn"), "forkserver",
+                           "forkserver (torch preloaded once, fast starts) or spawn; never fork"),
+}
 
 
 @hookimpl
@@ -11,4 +17,5 @@ def omni_register_launchers(register):
         "local",
         "omni_core.runtime.launcher:LocalLauncher",
         description="stage processes on this machine (forkserver with torch preloaded, or spawn)",
+        options=LOCAL_OPTIONS,
     )

@@ -1,15 +1,32 @@
-"""Built-in relays."""
+"""Built-in relays, registered with their capabilities and options schemas so that ``auto``,
+``omni plan`` and ``omni validate`` never import them (nor torch)."""
 
 from __future__ import annotations
 
+from ..options import positive_int, positive_number
 from ..plugins import hookimpl
+from ..relay.base import RelayCapabilities
+
+INLINE_CAPABILITIES = RelayCapabilities(
+    devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0
+)
+SHM_CAPABILITIES = RelayCapabilities(devices=frozenset({"cpu"}), scopes=frozenset({"node"}), priority=10)
+
+SHM_OPTIONS = {
+    "slot_bytes": positive_int(4 << 20, "size of one slot in bytes (rounded up to 64)"),
+    "slots": positive_int(32, "slots per pool: credits per sender and target process"),
+    "timeout": positive_number(30.0, "seconds a put waits for credits before RelayTimeout"),
+}
 
 
 @hookimpl
 def omni_register_relays(register):
-    register("inline", "omni_core.relay.inline:InlineRelay", description="tensors as zero-copy zmq frames; any edge")
+    register("inline", "omni_core.relay.inline:InlineRelay", description="tensors as zero-copy zmq frames; any edge",
+             capabilities=INLINE_CAPABILITIES, options={})
     register(
         "shm",
         "omni_core.relay.shm:ShmRelay",
         description="same-node shared-memory pool per sender and target; one copy in, zero-copy out",
+        capabilities=SHM_CAPABILITIES,
+        options=SHM_OPTIONS,
     )

@@ -112,4 +112,5 @@ from . import clean as _clean  # noqa: E402,F401
 from . import plan as _plan  # noqa: E402,F401
 from . import plugins as _plugins  # noqa: E402,F401
 from . import run as _run  # noqa: E402,F401
+from . import serve as _serve  # noqa: E402,F401
 from . import validate as _validate  # noqa: E402,F401

@@ -9,6 +9,7 @@ from .schema import (
     PlacementConfig,
     RelayConfig,
     RestartConfig,
+    ServeConfig,
     StageConfig,
 )
 from .validate import collect_issues, validate_config
@@ -21,6 +22,7 @@ __all__ = [
     "PlacementConfig",
     "RelayConfig",
     "RestartConfig",
+    "ServeConfig",
     "StageConfig",
     "collect_issues",
     "load_config",

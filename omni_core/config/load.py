@@ -34,6 +34,7 @@ from .schema import (
     PlacementConfig,
     RelayConfig,
     RestartConfig,
+    ServeConfig,
     StageConfig,
 )
 
@@ -176,6 +177,16 @@ def _function_map(value: Any, _: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
+def _api_options(value: Any, _: Any) -> dict[str, dict[str, Any]]:
+    """``serve.options``: API name → that API's options (a mapping)."""
+    if not isinstance(value, Mapping):
+        raise _TypeMismatch("a mapping of API name to its options", value)
+    for key, val in value.items():
+        if not isinstance(val, Mapping):
+            raise _TypeMismatch(f"a mapping of options for API {key!r}", val)
+    return {str(k): dict(v) for k, v in value.items()}
+
+
 def _stage_list(conv: cattrs.Converter):
     items = conv.get_structure_hook(tuple[StageConfig, ...])
 
@@ -222,6 +233,10 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(PlacementConfig, _section(conv, PlacementConfig, "strategy, gpus, ..."))
     conv.register_structure_hook(EndpointsConfig, _section(conv, EndpointsConfig, "ipc_dir, host, port_range"))
     conv.register_structure_hook(LimitsConfig, _section(conv, LimitsConfig, "max_in_flight, timeouts, ..."))
+    conv.register_structure_hook(
+        ServeConfig,
+        _section(conv, ServeConfig, "apis, options", options=cattrs.gen.override(struct_hook=_api_options)),
+    )
     conv.register_structure_hook(
         StageConfig,
         _section(

@@ -67,7 +67,7 @@ class LimitsConfig:
     stream_stall_timeout: float = attrs.field(default=60.0, metadata=POSITIVE)
     heartbeat_interval: float = attrs.field(default=1.0, metadata=POSITIVE)
     heartbeat_timeout: float = attrs.field(default=10.0, metadata=POSITIVE)
-    loop_block_warning: float = attrs.field(default=1.0, metadata=POSITIVE)
+    loop_block_warning: float = attrs.field(default=2.0, metadata=POSITIVE)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +77,14 @@ class RestartConfig:
 
     policy: Literal["never", "on-failure"] = "never"
     max_restarts: int = attrs.field(default=3, metadata=NON_NEGATIVE)
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    """How ``omni serve`` serves the pipeline (ignored by ``omni run`` and the library)."""
+
+    apis: tuple[str, ...] = ()
+    options: dict[str, dict[str, Any]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +139,7 @@ class PipelineConfig:
     restart: RestartConfig = attrs.field(factory=RestartConfig)
     allow_cycles: bool = False
     allow_pickle: bool = False
+    serve: ServeConfig = attrs.field(factory=ServeConfig)
 
     @property
     def entry(self) -> str:

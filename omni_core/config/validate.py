@@ -427,6 +427,14 @@ def auto_relay_options(cfg: PipelineConfig, ctx: _Context) -> None:
 
 
 @rule
+def plugin_options(cfg: PipelineConfig, ctx: _Context) -> None:
+    """Relay, placement and launcher options against the schemas their plugins declared."""
+    from .options import options_issues
+
+    ctx.issues.extend(options_issues(cfg, ctx.registry))
+
+
+@rule
 def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
     for i, stage in enumerate(cfg.stages):
         if not _resolvable(ctx, _sp(i, "factory"), "stage", stage.factory):

@@ -29,6 +29,9 @@ from .placement import (
 #: The pseudo-relay of edges inside one process: payloads pass as Python objects.
 OBJECT_RELAY = "object"
 
+#: The torch.distributed backend of a tensor-parallel group, by the device type of its ranks.
+TP_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
+
 
 @attrs.frozen
 class ProcessSpec:
@@ -65,6 +68,11 @@ class ProcessSpec:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu is None else "cuda:0"
+
+    @property
+    def tp_backend(self) -> str:
+        """The torch.distributed backend of this process's TP group (:data:`TP_BACKENDS`)."""
+        return TP_BACKENDS[self.device.partition(":")[0]]
 
     @property
     def injected(self) -> dict[str, object]:
@@ -253,17 +261,20 @@ def build_processes(
     return procs
 
 
-def _best_relay(registry: Registry, device: str) -> str | None:
-    """The highest-priority registered relay that moves ``device`` tensors between processes of
-    one node (ties: the first name in order)."""
+def _best_relay(registry: Registry, device: str) -> tuple[int, str] | None:
+    """``(priority, name)`` of the highest-priority registered relay that moves ``device``
+    tensors between processes of one node (ties: the first name in order).
+
+    Decided from the capabilities each relay declared when it was registered: no relay module
+    is imported (a relay registered lazily without capabilities is never chosen by ``auto``)."""
     best: tuple[int, str] | None = None
     for entry in registry.entries("relay"):
-        caps = getattr(entry.load(), "capabilities", None)
+        caps = entry.capabilities
         if caps is None or device not in caps.devices or "node" not in caps.scopes:
             continue
         if best is None or caps.priority > best[0]:
             best = (caps.priority, entry.name)
-    return best[1] if best else None
+    return best
 
 
 def choose_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry, *, local: bool,
@@ -285,10 +296,9 @@ def choose_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry, *, l
         raise LookupError("no installed relay can move tensors between processes; is omni-core installed correctly?")
     if all(gpus):
         device = _best_relay(registry, "cuda")
-        host_priority = registry.get("relay", host).load().capabilities.priority
-        if device is not None and registry.get("relay", device).load().capabilities.priority > host_priority:
-            return device
-    return host
+        if device is not None and device[0] > host[0]:
+            return device[1]
+    return host[1]
 
 
 def build_edges(cfg: PipelineConfig, processes: Sequence[ProcessSpec], registry: Registry) -> list[EdgeSpec]:

@@ -68,6 +68,47 @@ class RelayCapabilities:
     scopes: frozenset[str] = frozenset({"node"})
     priority: int = 0
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": sorted(self.devices), "scopes": sorted(self.scopes), "priority": self.priority}
+
+
+#: The values :class:`RelayCapabilities` fields may hold.
+DEVICES = ("cpu", "cuda")
+SCOPES = ("node", "cluster")
+
+
+def as_capabilities(value: Any) -> RelayCapabilities:
+    """:class:`RelayCapabilities` from what a plugin passed as ``capabilities=``: an instance,
+    or a mapping ``{"devices": [...], "scopes": [...], "priority": n}``. ValueError otherwise."""
+    if isinstance(value, RelayCapabilities):
+        caps = value
+    elif isinstance(value, dict):
+        unknown = set(value) - {"devices", "scopes", "priority"}
+        if unknown:
+            raise ValueError(f"capabilities: unknown key(s) {', '.join(sorted(unknown))}; keys: devices, scopes, priority")
+        fields = {}
+        for key in ("devices", "scopes"):
+            if key in value:
+                items = value[key]
+                if isinstance(items, str) or not all(isinstance(x, str) for x in items):
+                    raise ValueError(f"capabilities: {key} must be a list of strings, got {items!r}")
+                fields[key] = frozenset(items)
+        if "priority" in value:
+            fields["priority"] = value["priority"]
+        caps = RelayCapabilities(**fields)
+    else:
+        raise ValueError("capabilities= must be omni_core.relay.RelayCapabilities or a mapping "
+                         f"with devices, scopes and priority, got {type(value).__name__}")
+    bad = [d for d in caps.devices if d not in DEVICES] + [s for s in caps.scopes if s not in SCOPES]
+    if bad:
+        raise ValueError(f"capabilities: unknown value(s) {', '.join(map(repr, sorted(bad)))}; devices are "
+                         f"{', '.join(DEVICES)}, scopes are {', '.join(SCOPES)}")
+    if not caps.devices or not caps.scopes:
+        raise ValueError("capabilities: devices and scopes must not be empty")
+    if isinstance(caps.priority, bool) or not isinstance(caps.priority, int):
+        raise ValueError(f"capabilities: priority must be an integer, got {caps.priority!r}")
+    return caps
+
 
 @attrs.frozen
 class RelayContext:

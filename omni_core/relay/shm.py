@@ -32,13 +32,11 @@ mappings. All methods run on one event loop thread.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import ctypes
 import itertools
 import os
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,9 +44,11 @@ import attrs
 import msgspec
 import torch
 
+from ..builtin.relays import SHM_CAPABILITIES, SHM_OPTIONS
 from . import checks
-from .base import InvalidHandle, Relay, RelayCapabilities, RelayContext, RelayTimeout, Transfer
+from .base import InvalidHandle, Relay, RelayContext, Transfer
 from .inline import _DTYPES, dtype_from_name, dtype_name
+from .kit import CreditWait, dead_wait_text, receiver_text, relay_options, wait_for_credit
 from .shm_segment import (
     ONEOFF,
     Segment,
@@ -64,11 +64,8 @@ from .shm_segment import (
 __all__ = ["ShmRelay", "ShmRelayError"]
 
 _ALIGN = 64
-_SPIN_S = 200e-6
-_MAX_SLEEP_S = 5e-3
-_DEAD_GRACE_S = 1.0
 _MEMMOVE_BELOW = 4 << 20
-DEFAULTS = {"slot_bytes": 4 << 20, "slots": 32, "timeout": 30.0}
+DEFAULTS = {name: option.default for name, option in SHM_OPTIONS.items()}
 
 
 class _Handle(msgspec.Struct, array_like=True):
@@ -177,68 +174,8 @@ def _layout(tensors: Sequence[Any]) -> tuple[list[int], int]:
 
 def _options(options: dict[str, Any]) -> tuple[int, int, float]:
     """``(slot_bytes, slots, timeout)`` from ``relay.options`` (other keys belong to other relays)."""
-    merged = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
-    slot_bytes, slots, timeout = merged["slot_bytes"], merged["slots"], merged["timeout"]
-    for key, value, kind in (("slot_bytes", slot_bytes, int), ("slots", slots, int),
-                             ("timeout", timeout, (int, float))):
-        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-            raise ValueError(f"relay.options.{key}: expected a positive number, got {value!r} "
-                             f"(default {DEFAULTS[key]!r})")
-    return -(-slot_bytes // _ALIGN) * _ALIGN, slots, float(timeout)
-
-
-@attrs.define
-class _Wait:
-    """What a put waiting for credits needs: its queue, the receiver's liveness, its error text."""
-
-    waiters: collections.deque
-    timeout: float
-    receiver_dead: Callable[[], bool]
-    why: Callable[[bool], str]
-    closed: Callable[[], bool]
-
-
-async def _acquire(wait: _Wait, attempt: Callable[[], Any]) -> Any:
-    """``attempt()``'s first non-None result, in FIFO order among the waiters of one queue: spin
-    briefly, then sleep with backoff; :class:`RelayTimeout` after ``timeout`` (or one more second
-    once the receiver is seen dead)."""
-    if not wait.waiters:
-        got = attempt()
-        if got is not None:
-            return got
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait.timeout
-    turn = loop.create_future()
-    wait.waiters.append(turn)
-    try:
-        if wait.waiters[0] is not turn:
-            try:
-                await asyncio.wait_for(turn, deadline - loop.time())
-            except asyncio.TimeoutError:
-                raise RelayTimeout(wait.why(False)) from None
-        spin_until, sleep, dead, next_check = time.perf_counter() + _SPIN_S, 0.0, False, 0.0
-        while True:
-            if wait.closed():
-                raise ShmRelayError("shm relay: closed while a put waited for credits")
-            got = attempt()
-            if got is not None:
-                return got
-            now = loop.time()
-            if now >= deadline:
-                raise RelayTimeout(wait.why(dead))
-            if not dead and now >= next_check:
-                next_check = now + 0.1
-                if wait.receiver_dead():
-                    dead, deadline = True, min(deadline, now + _DEAD_GRACE_S)
-            if time.perf_counter() < spin_until:
-                await asyncio.sleep(0)
-            else:
-                sleep = min(max(sleep * 2, 1e-3), _MAX_SLEEP_S)
-                await asyncio.sleep(min(sleep, max(deadline - now, 0.0)))
-    finally:
-        wait.waiters.remove(turn)
-        if wait.waiters and not wait.waiters[0].done():
-            wait.waiters[0].set_result(None)
+    values = relay_options("shm", SHM_OPTIONS, options)
+    return -(-values["slot_bytes"] // _ALIGN) * _ALIGN, values["slots"], float(values["timeout"])
 
 
 def _receiver_dead(segs: Sequence[Segment]) -> bool:
@@ -251,12 +188,7 @@ def _receiver_dead(segs: Sequence[Segment]) -> bool:
 
 
 def _receiver_text(segs: Sequence[Segment]) -> str:
-    for seg in segs:
-        pid, start = seg.receiver()
-        if pid:
-            state = "is dead" if not process_alive(pid, start) else "is alive but did not release them"
-            return f"receiver pid {pid} {state}"
-    return "the receiver has not mapped them yet"
+    return receiver_text((seg.receiver() for seg in segs), "the receiver has not mapped them yet")
 
 
 class ShmRelay(Relay):
@@ -267,9 +199,7 @@ class ShmRelay(Relay):
     """
 
     name = "shm"
-    capabilities = RelayCapabilities(
-        devices=frozenset({"cpu"}), scopes=frozenset({"node"}), priority=10
-    )
+    capabilities = SHM_CAPABILITIES
 
     def __init__(self, ctx: RelayContext):
         super().__init__(ctx)
@@ -314,28 +244,27 @@ class ShmRelay(Relay):
                 return pool.seg, span, lambda: pool.free(span)
             segs = (pool.seg,)
             wait = self._wait(pool.waiters, target, nbytes, pool.holders, lambda: segs)
-            span = await _acquire(wait, lambda: pool.take(nslots, request_id, next(self._tickets)))
+            span = await wait_for_credit(wait, lambda: pool.take(nslots, request_id, next(self._tickets)))
             return pool.seg, span, lambda: pool.free(span)
         big = self._oneoffs.setdefault(target, _Oneoffs())
         wait = self._wait(big.waiters, target, nbytes, big.holders,
                           lambda: [seg for seg, _ in big.live.values()])
-        seg = await _acquire(wait, lambda: self._take_oneoff(big, target, nbytes, request_id))
+        seg = await wait_for_credit(wait, lambda: self._take_oneoff(big, target, nbytes, request_id))
         return seg, big.live[seg.name][1], lambda: big.drop(seg.name)
 
     def _wait(self, waiters, target: str, nbytes: int, holders: Callable[[], list[int]],
-              segs: Callable[[], Sequence[Segment]]) -> _Wait:
+              segs: Callable[[], Sequence[Segment]]) -> CreditWait:
         def why(dead: bool) -> str:
-            waited = "1 s after its receiver died" if dead else f"{self.timeout:g} s"
             return (
                 f"shm relay: put of {nbytes} bytes from process {self.ctx.process!r} to process "
-                f"{target!r} waited {waited} for credits ({self.slots} slots of {self.slot_bytes} "
+                f"{target!r} waited {dead_wait_text(dead, self.timeout)} for credits ({self.slots} slots of {self.slot_bytes} "
                 f"bytes), held by requests {holders()[:10]}; {_receiver_text(segs())}. The runtime "
                 "frees a dead receiver's credits with cleanup(request_id); raise relay.options "
                 "timeout or slots if the receiver is merely slow"
             )
 
-        return _Wait(waiters, self.timeout, lambda: _receiver_dead(segs()), why,
-                     lambda: self._closed)
+        return CreditWait(waiters, self.timeout, lambda: _receiver_dead(segs()), why, lambda: self._closed,
+                          lambda: ShmRelayError("shm relay: closed while a put waited for credits"))
 
     def _pool(self, target: str) -> _Pool:
         pool = self._pools.get(target)
@@ -476,15 +405,6 @@ class ShmRelay(Relay):
         self._oneoffs.clear()
         self._maps.clear()
         self._held.clear()
-
-    def debug_state(self) -> dict[str, int]:
-        """Per-request entries this instance holds: spans in flight toward receivers, one-off
-        segments alive, received handles not yet released."""
-        return {
-            "spans": sum(len(pool.holders()) and len(pool.spans) for pool in self._pools.values()),
-            "oneoffs": sum(len(big.live) for big in self._oneoffs.values()),
-            "held": len(self._held),
-        }
 
     @classmethod
     def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:

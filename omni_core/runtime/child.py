@@ -55,8 +55,8 @@ class Heart:
 
     def __init__(self, boot: Bootstrap):
         limits: dict[str, Any] = boot.config.get("limits") or {}
-        self.interval = float(limits.get("heartbeat_interval") or 1.0)
-        self.block_warning = float(limits.get("loop_block_warning") or 1.0)
+        self.interval = float(limits.get("heartbeat_interval") or 2.0)
+        self.block_warning = float(limits.get("loop_block_warning") or 2.0)
         self.boot = boot
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None

@@ -20,6 +20,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from .. import tracing
 from ..config.schema import PipelineConfig
 from ..errors import (
     OmniError,
@@ -33,6 +34,7 @@ from ..logs import get_logger
 from ..plan.topology import Plan
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
+from ..relay.inline import InlineRelay
 from ..relay.payload import pack, unpack
 from . import wire
 from .ordered import OrderedDelivery
@@ -146,8 +148,7 @@ class Coordinator:
     def _caller_relay(self) -> Relay:
         """The relay of the caller's edges (inputs in, results and events out)."""
         if self._relay is None:
-            cls = self.registry.resolve("relay", CALLER_RELAY)
-            self._relay = cls(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
+            self._relay = InlineRelay(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
         return self._relay
 
     async def _send_inputs(self, req: Request, inputs: Any) -> None:
@@ -158,10 +159,11 @@ class Coordinator:
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         if tensors:
             transfer = await self._caller_relay().put(req.rid, tensors, leaders[0])
-            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames))
+            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames),
+                            trace=tracing.traceparent())
             await runner.outbox.send(address, msg, transfer.frames)
         else:
-            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton))
+            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton, trace=tracing.traceparent()))
 
     # -- the caller's API ------------------------------------------------------------------------
 
@@ -318,7 +320,7 @@ class Coordinator:
         behind = floor < self._next_rid  # some requests are still in flight
         if error is not None:
             if not isinstance(error, RequestAborted):
-                self.log.warning("request failed", request_id=req.request_id, error=type(error).__name__,
+                self.log.info("request failed", request_id=req.request_id, error=type(error).__name__,
                                  stage=getattr(error, "stage", None) or getattr(error, "process", None),
                                  reason=getattr(error, "reason", None) or str(error).split("\n", 1)[0])
             else:

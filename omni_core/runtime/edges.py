@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-import torch
 
+from .. import metrics
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
-from ..relay.base import Relay, RelayContext
+from ..relay.base import InvalidHandle, Relay, RelayContext, as_capabilities
+from ..relay.inline import InlineRelay
+from ..relay.lifetime import detach, lent_storages, storage_key
 from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
 
 #: A stream chunk whose tensors hold at most this many bytes is copied out of the relay on
@@ -52,10 +54,6 @@ def relay_options(relay_cfg: Any, name: str) -> dict[str, Any]:
     return {}
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return tensor.device.type, tensor.untyped_storage().data_ptr()
-
-
 class Edges:
     """Relay instances of one process and the tensors that cross its edges."""
 
@@ -68,13 +66,15 @@ class Edges:
         self.runtime_dir = runtime_dir
         self.stages = stages
         self.relays: dict[str, Relay] = {}
+        self._devices: dict[str, frozenset[str]] = {}
         self.log = get_logger(pipeline=config.name, process=process)
         self._process_of = {address: (name or "coordinator") for name, address in addresses.items()}
 
     def relay(self, name: str) -> Relay:
         relay = self.relays.get(name)
         if relay is None:
-            cls = self.registry.resolve("relay", name)
+            # The caller's edges use a relay omni-core owns, whatever plugins are disabled.
+            cls = InlineRelay if name == CALLER_RELAY else self.registry.resolve("relay", name)
             options = relay_options(self.config.relay, name)
             for stage in self.stages:  # a stage's relay options apply to its own edges' relay
                 own = self.config.stage(stage).relay
@@ -92,8 +92,13 @@ class Edges:
         """Put ``tensors`` through the edge's relay: ``(wire relay name, handle, frames)``.
         Tensors on a device that relay cannot move (CPU tensors on a GPU-only relay) go through
         ``inline`` beside them, in one message."""
+        metrics.relay_bytes(relay_name, self.process, target, sum(t.numel() * t.element_size() for t in tensors))
         relay = self.relay(relay_name)
-        devices = relay.capabilities.devices
+        devices = self._devices.get(relay_name)
+        if devices is None:  # what it can move: its registration's word, else its class's
+            entry = self.registry.get("relay", relay_name) if relay_name != CALLER_RELAY else None
+            declared = getattr(entry, "capabilities", None) if entry is not None else None
+            devices = self._devices[relay_name] = (as_capabilities(declared) if declared else relay.capabilities).devices
         fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
         if len(fits) == len(tensors):
             transfer = await relay.put(rid, tensors, target)
@@ -121,17 +126,22 @@ class Edges:
         try:
             if relay_name != SPLIT_RELAY:
                 return await self._get_one(relay_name, handle, frames, inbound), inbound
-            split = _decode_split(handle)
+            try:
+                split = _decode_split(handle)
+            except msgspec.DecodeError as exc:
+                raise InvalidHandle(f"malformed split handle: {exc}") from None
+            if len(set(split.relays)) != len(split.relays) or CALLER_RELAY not in split.relays:
+                raise InvalidHandle(f"malformed split handle: relays {split.relays} (a split is one edge relay and {CALLER_RELAY!r})")
             total = sum(len(index) for index in split.index)
             if sum(split.counts) != len(frames) or sorted(i for index in split.index for i in index) != list(range(total)):
-                raise ValueError("malformed split handle: its frame counts or tensor indices do not add up")
+                raise InvalidHandle("malformed split handle: its frame counts or tensor indices do not add up")
             tensors: list = [None] * total
             start = 0
             for name, sub, count, index in zip(split.relays, split.handles, split.counts, split.index, strict=True):
                 part = await self._get_one(name, sub, frames[start:start + count], inbound)
                 start += count
                 if len(part) != len(index):
-                    raise ValueError(f"relay {name!r} returned {len(part)} tensors for {len(index)}")
+                    raise InvalidHandle(f"relay {name!r} returned {len(part)} tensors for {len(index)}")
                 for i, tensor in zip(index, part, strict=True):
                     tensors[i] = tensor
             return tensors, inbound
@@ -141,12 +151,12 @@ class Edges:
 
     async def _get_one(self, relay_name: str, handle: bytes, frames: list, inbound: Inbound) -> list:
         if relay_name == SPLIT_RELAY:
-            raise ValueError("a split handle cannot nest another split")
+            raise InvalidHandle("a split handle cannot nest another split")
         relay = self.relay(relay_name)
         tensors = await relay.get(handle, frames)
         if type(relay).release is not Relay.release:
             inbound.releases.append(lambda: relay.release(handle))
-            inbound.storages |= {_storage_key(t) for t in tensors if t.numel()}
+        inbound.storages |= lent_storages(relay, tensors)
         return tensors
 
     @staticmethod
@@ -158,30 +168,16 @@ class Edges:
         if sum(t.numel() * t.element_size() for t in tensors) > CHUNK_COPY_BYTES:
             return inbound
         for i, tensor in enumerate(tensors):
-            if tensor.numel() and _storage_key(tensor) in inbound.storages:
+            if tensor.numel() and storage_key(tensor) in inbound.storages:
                 tensors[i] = tensor.clone()
         inbound.release()
         return None
 
     @staticmethod
     def copy_out(result: Any, storages: set) -> Any:
-        """``result`` with every tensor that views relay memory about to be released cloned
-        (on its own device). Containers are rebuilt only where something was cloned."""
-
-        def walk(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                return obj.clone() if obj.numel() and _storage_key(obj) in storages else obj
-            if isinstance(obj, dict):
-                out = {k: walk(v) for k, v in obj.items()}
-                return obj if all(out[k] is v for k, v in obj.items()) else out
-            if isinstance(obj, (list, tuple)):
-                out = [walk(v) for v in obj]
-                if all(a is b for a, b in zip(out, obj, strict=True)):
-                    return obj
-                return out if isinstance(obj, list) else tuple(out)
-            return obj
-
-        return walk(result)
+        """``result`` with every tensor (or numpy array) that views relay memory about to be
+        released copied, on its own device (:func:`omni_core.relay.lifetime.detach`)."""
+        return detach(result, storages)
 
     # -- end ------------------------------------------------------------------------------------
 

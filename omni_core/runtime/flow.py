@@ -81,6 +81,9 @@ class Windows:
     def __len__(self) -> int:
         return len(self._windows)
 
+    def requests(self) -> set[int]:
+        return {key[0] for key in self._windows}
+
     def get(self, rid: int, src: str, dst: str) -> Window:
         key = (rid, src, dst)
         window = self._windows.get(key)

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from .. import metrics, tracing
 from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
 from ..config.validate import INJECTED_ARGS
@@ -75,6 +76,10 @@ def _functions(registry: Registry, stage: StageConfig) -> StageFunctions:
     )
 
 
+#: Requests whose trace context a process remembers at most (only while tracing is on).
+_TRACES_MEMORY = 10_000
+
+
 class Host:
     """The runtime of one stage process (also usable in-process for tests)."""
 
@@ -94,6 +99,8 @@ class Host:
         self.ordered = OrderedDelivery()
         self.stages: dict[str, StageRuntime] = {}
         self.ended: set[int] = set()  # requests that ended at or above the floor
+        #: rid → the request's W3C traceparent, only while tracing is on (omni_core.tracing).
+        self.traces: dict[int, str] = {}
         self.floor = 0  # every request below it has ended
         self.inbox: Inbox | None = None
         self.stopping: asyncio.Event | None = None
@@ -115,8 +122,7 @@ class Host:
         factory runs, so stage code can use collectives directly."""
         import torch.distributed as dist
 
-        backend = "gloo" if self.spec.gpu is None else "nccl"
-        dist.init_process_group(backend, init_method=self.tp_init_method, rank=self.spec.tp_rank, world_size=self.spec.tp_size)
+        dist.init_process_group(self.spec.tp_backend, init_method=self.tp_init_method, rank=self.spec.tp_rank, world_size=self.spec.tp_size)
 
     def build_stages(self) -> None:
         if self.spec.tp_size > 1:
@@ -150,8 +156,7 @@ class Host:
             if msg.rid:
                 self.forget(msg.rid)
             if msg.floor > self.floor:
-                self.floor = msg.floor
-                self.ended = {rid for rid in self.ended if rid >= msg.floor}
+                self._raise_floor(msg.floor)
         elif isinstance(msg, wire.StateQuery):
             self.outbox.post(self.coordinator, wire.StateReport(msg.token, self.name, self.state()))
         elif isinstance(msg, wire.Shutdown):
@@ -204,6 +209,10 @@ class Host:
                 held.release()
             self.fail(msg.rid, msg.stage, exc)
             return
+        if msg.trace and msg.rid not in self.traces:  # tracing: remember the request's context
+            self.traces[msg.rid] = msg.trace
+            if len(self.traces) > _TRACES_MEMORY:
+                self.traces.pop(next(iter(self.traces)))
         if self._followers:
             self._to_followers(msg, payload)
         stage = self.stages[msg.stage]
@@ -237,7 +246,7 @@ class Host:
         transfer = inline_transfer(tensors)
         relay = CALLER_RELAY if tensors else ""
         copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay,
-                             transfer.handle, len(transfer.frames), "")
+                             transfer.handle, len(transfer.frames), "", msg.trace)
         for follower in self._followers:
             self.outbox.post(follower, copy_msg, transfer.frames)
 
@@ -245,14 +254,29 @@ class Host:
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ended: cancel what runs for it and free everything it holds here."""
-        if self.is_ended(rid):
+        if rid in self.ended:
             return
-        self.ended.add(rid)
+        if rid >= self.floor:
+            self.ended.add(rid)
+        self._clean(rid)
+
+    def _clean(self, rid: int) -> None:
+        self.traces.pop(rid, None)
         self.ordered.drop(rid)
         for stage in self.stages.values():
             stage.forget(rid)
         self.router.forget(rid)
         self.edges.cleanup(rid)
+
+    def _raise_floor(self, floor: int) -> None:
+        """Every request below ``floor`` has ended: forget having seen them end, and free any
+        state still held for one of them (its ``Forget`` may come later, from a TP leader)."""
+        self.floor = floor
+        self.ended = {rid for rid in self.ended if rid >= floor}
+        stale = {rid for stage in self.stages.values() for rid in stage.requests() if rid < floor}
+        stale.update(rid for rid in (*self.ordered.keys(), *self.router.windows.requests()) if rid < floor)
+        for rid in stale:
+            self._clean(rid)
 
     def fail(self, rid: int, stage: str, exc: BaseException) -> None:
         """Fail request ``rid`` because of ``exc`` in ``stage``; this process keeps serving."""
@@ -279,9 +303,14 @@ class Host:
             loop.add_signal_handler(sig, self.stopping.set)
         self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name)
         self.inbox.start()
+        exporter = metrics.Exporter(self.boot.runtime_dir, self.spec.name).start()
+        tracing.setup_process(self.spec.name)
         await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
         await self.stopping.wait()
+        # Orphaned (the parent was killed): nobody reads the metrics; leave nothing in the runtime dir.
+        exporter.close(remove=not process_alive(self.boot.parent_pid))
         await self.close()
+        tracing.shutdown()
 
     async def close(self) -> None:
         self.ordered.close()

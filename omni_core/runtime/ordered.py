@@ -31,6 +31,9 @@ class OrderedDelivery:
     def __len__(self) -> int:
         return len(self._queues)
 
+    def keys(self) -> list[int]:
+        return list(self._queues)
+
     def busy(self, key: int) -> bool:
         return key in self._queues
 

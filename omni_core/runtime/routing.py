@@ -62,10 +62,12 @@ class Router:
         host = self.host
         if tensors:
             relay_name, handle, frames = await host.edges.put(relay_name, rid, tensors, host.edges.process_of(address))
-            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames), host.name)
+            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames), host.name,
+                            host.traces.get(rid, ""))
             await host.outbox.send(address, msg, frames)
         else:
-            fut = host.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, origin=host.name))
+            fut = host.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, origin=host.name,
+                                                      trace=host.traces.get(rid, "")))
             if fut is not None:
                 await fut
 

@@ -249,6 +249,7 @@ class Runner:
             fut = self._ready.get(msg.process)
             if fut is not None and not fut.done():
                 self._heard[msg.process] = time.monotonic()
+                self.log.info("process ready", process=msg.process, pid=msg.pid)
                 fut.set_result(msg.pid)
         elif isinstance(msg, wire.StartFailed):
             fut = self._ready.get(msg.process)

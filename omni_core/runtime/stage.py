@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import structlog
 
+from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from .context import StageContext
@@ -65,10 +68,15 @@ class StageRuntime:
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
         self.running: dict[int, asyncio.Task] = {}
         self.contexts: dict[int, StageContext] = {}
+        self.inbounds: dict[int, Inbound] = {}  # what each running call received
         self.fan_in: dict[int, _FanIn] = {}
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
+
+    def requests(self) -> set[int]:
+        """Every request this stage holds state for."""
+        return {*self.running, *self.fan_in, *self.streams, *self.finished}
 
     def state(self) -> dict[str, int]:
         prefix = f"stage.{self.name}."
@@ -162,14 +170,36 @@ class StageRuntime:
     # -- running ---------------------------------------------------------------------------------
 
     def _start(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
-        self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
+        task = self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
+        # A done callback runs even for a task cancelled before it started (an abort right after
+        # the payload arrived), whose body and its ``finally`` never run.
+        self.inbounds[rid] = inbound
+        task.add_done_callback(lambda _: self._ended(rid, task, inbound))
+
+    def _ended(self, rid: int, task: asyncio.Task, inbound: Inbound) -> None:
+        inbound.release()
+        if self.host.is_ended(rid):
+            # Cancelled by the request's end: whatever a relay put was handing out when the
+            # cancellation came (a credit just granted) is freed now, after the call is gone.
+            self.host.edges.cleanup(rid)
+        if self.running.get(rid) is task:
+            del self.running[rid]
+            self.inbounds.pop(rid, None)
+            self.contexts.pop(rid, None)
+            self._close_streams(rid)
 
     async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
         ctx = StageContext(self, rid, request_id)
         self.contexts[rid] = ctx
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's log lines
+        started = None
         try:
             async with self.sem:
-                result = await self._call(payload, ctx)
+                started = time.perf_counter()
+                with tracing.stage_span(self.name, request_id=request_id, parent=self.host.traces.get(rid, "")):
+                    result = await self._call(payload, ctx)
+                metrics.stage_call(self.name, "ok", time.perf_counter() - started)
+                started = None
                 del payload
                 if self.streaming_sources:
                     self.finished.add(rid)
@@ -181,15 +211,17 @@ class StageRuntime:
                     return
                 await self.host.router.finish(self, rid, request_id, result)
         except asyncio.CancelledError:
+            if started is not None:
+                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", time.perf_counter() - started)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
                 self.host.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
+            if started is not None:
+                metrics.stage_call(self.name, "error", time.perf_counter() - started)
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
-            self.contexts.pop(rid, None)
-            self.running.pop(rid, None)
             self._close_streams(rid)
 
     async def _call(self, payload: Any, ctx: StageContext) -> Any:
@@ -205,6 +237,11 @@ class StageRuntime:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
+            inbound = self.inbounds.get(rid)
+            lent = (inbound.storages if inbound is not None else set()) | self._stream_storages(rid)
+            if lent:  # a chunk viewing received relay memory outlives this call where it goes
+                chunk = self.host.edges.copy_out(chunk, lent)
+            metrics.stream_chunk(self.name)
             await self.host.router.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------

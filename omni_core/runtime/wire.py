@@ -30,6 +30,7 @@ class Data(msgspec.Struct, tag="d", array_like=True):
     handle: bytes = b""
     nframes: int = 0
     origin: str = ""
+    trace: str = ""  # W3C traceparent of the request ("" unless tracing is on; omni_core.tracing)
 
 
 class StreamEnd(msgspec.Struct, tag="e", array_like=True):

@@ -1,7 +1,11 @@
 """What plugin authors test with.
 
+- :func:`assert_plugin_registers` and :func:`run_pipeline` (:mod:`omni_core.testing.plugins`):
+  check what an installed distribution registers; run a pipeline config in real processes and
+  get each request's result, streamed chunks or error.
 - :mod:`omni_core.testing.relay_conformance`: ``RelayConformance``, the relay protocol's contracts
-  as pytest tests a relay package subclasses to run against its backend.
+  as pytest tests a relay package subclasses to run against its backend (leak checks included:
+  /dev/shm, files in the runtime dir, file descriptors, threads).
 - :mod:`omni_core.testing.peer`: ``RelayPeer``, a relay in a spawned process for cross-process
   tests of one's own.
 - :mod:`omni_core.testing.leaks`: the ``no_leaks`` fixture and helpers that check a test left no
@@ -9,5 +13,9 @@
 - :mod:`omni_core.testing.cuda`: the ``cuda`` marker (``@pytest.mark.cuda(devices=2)``): GPU tests
   skip without CUDA and fail instead under ``OMNI_REQUIRE_CUDA=1``.
 
-Importing this package does not import pytest; the conformance module does.
+Importing this package imports neither pytest nor torch; the conformance module imports both.
 """
+
+from .plugins import Outcome, assert_plugin_registers, run_pipeline
+
+__all__ = ["Outcome", "assert_plugin_registers", "run_pipeline"]

@@ -14,7 +14,8 @@ A relay package runs them against its backend by subclassing::
 The sender runs in the test process, the receiver in a spawned process
 (:class:`~omni_core.testing.peer.RelayPeer`); handles and frames travel over a pipe, as they do in
 control messages. Every test closes its relays and then checks that nothing in /dev/shm names the
-run and that no thread was left running; cross-process tests run under pytest-timeout and check
+run, that no file the test created is left in the run's runtime dir, that no file descriptor of
+this process points into /dev/shm or the runtime dir, and that no thread was left running; cross-process tests run under pytest-timeout and check
 that the processes they started are gone. Relays must therefore put the run id in the names of
 the shared resources they create (DESIGN §6), which is what lets ``sweep`` find them.
 """
@@ -68,6 +69,25 @@ def remove_leaked(run_id: str, keep: list[str] = ()) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join("/dev/shm", name))
     return leaked
+
+
+def runtime_files(runtime_dir: str) -> set[str]:
+    """Every file under the run's runtime dir (relative paths)."""
+    found = set()
+    for root, _, files in os.walk(runtime_dir):
+        found |= {os.path.relpath(os.path.join(root, f), runtime_dir) for f in files}
+    return found
+
+
+def open_relay_fds(runtime_dir: str) -> list[str]:
+    """This process's file descriptors that point into /dev/shm or ``runtime_dir``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(("/dev/shm/", runtime_dir.rstrip("/") + "/")):
+                found.append(f"fd {fd} -> {target}")
+    return found
 
 
 def assert_arrived(sent: list[torch.Tensor], records: list) -> None:
@@ -131,12 +151,22 @@ class RelayConformance:
     @pytest.fixture
     def sender(self, run_id, runtime_dir, receiver):
         shm_before, threads_before = shm_entries(run_id), set(threading.enumerate())
+        files_before, fds_before = runtime_files(runtime_dir), set(open_relay_fds(runtime_dir))
         relay = resolve_relay(self.relay_ref())(self.context(run_id, SENDER, runtime_dir))
         yield relay
         relay.close()
         assert remove_leaked(run_id, shm_before) == [], "close() left /dev/shm entries behind"
         extra = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
         assert not extra, f"threads still running after close(): {extra}"
+        fds = sorted(set(open_relay_fds(runtime_dir)) - fds_before)
+        assert not fds, f"file descriptors still open after close(): {fds}"
+        self.check_runtime_files(runtime_dir, files_before)
+
+    def check_runtime_files(self, runtime_dir: str, before: set[str]) -> None:
+        """No file created during the test may be left in the runtime dir once the sender
+        closed. Override for a relay whose files outlive ``close`` by design."""
+        left = sorted(runtime_files(runtime_dir) - before)
+        assert not left, f"files left in the runtime dir after close(): {left}"
 
     def run(self, coro, timeout: float = 90) -> Any:
         return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -44,13 +44,16 @@ class Preprocess:
 
         {"audio":  {"features": [frames, n_features]},      # for audio_encoder
          "image":  {"pixels": [3, image_size, image_size]},  # for image_encoder
-         "speech": {"wav_path": "/abs/path.wav"},            # for talker (then vocoder)
+         "speech": {"wav_path": "/abs/path.wav",             # for talker (then vocoder)
+                    "stream_audio": False},
          "shared": {"text", "text_ids", "max_tokens"},       # every branch gets these
          "_to": [...]}                                       # only when "speak": false
 
     Inputs: ``text`` (required), ``max_tokens`` (words to write, default 13 = one sentence),
     ``wav_path`` (default ``omni-demo.wav``, relative to the directory omni runs in), ``speak``
     (default true; false skips the talker and vocoder by routing to ``without_speech`` only),
+    ``stream_audio`` (default false; true makes the vocoder stream its audio to the caller as
+    ``{"index", "pcm16", "sample_rate"}`` chunks, as ``omni serve``'s OpenAI API asks it to),
     ``audio`` (optional list of samples at 16 kHz; default: a tone made from the text) and
     ``image`` (optional ``[h][w]`` or ``[h][w][3]`` list of numbers in 0..1; default: a pattern
     made from the text).
@@ -69,9 +72,9 @@ class Preprocess:
     def __call__(self, inputs: Any, ctx: Any) -> dict[str, Any]:
         if not isinstance(inputs, Mapping):
             raise _bad_input(f"expected a JSON object, got {type(inputs).__name__}")
-        unknown = sorted(set(inputs) - {"text", "max_tokens", "wav_path", "speak", "audio", "image"})
+        unknown = sorted(set(inputs) - {"text", "max_tokens", "wav_path", "speak", "stream_audio", "audio", "image"})
         if unknown:
-            raise _bad_input(f"unknown input key(s) {unknown}; known: text, max_tokens, wav_path, speak, audio, image")
+            raise _bad_input(f"unknown input key(s) {unknown}; known: text, max_tokens, wav_path, speak, stream_audio, audio, image")
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
             raise _bad_input("'text' must be a non-empty string")
@@ -84,12 +87,15 @@ class Preprocess:
         speak = inputs.get("speak", True)
         if not isinstance(speak, bool):
             raise _bad_input(f"'speak' must be true or false, got {speak!r}")
+        stream_audio = inputs.get("stream_audio", False)
+        if not isinstance(stream_audio, bool):
+            raise _bad_input(f"'stream_audio' must be true or false, got {stream_audio!r}")
         text_ids = list(text.encode("utf-8"))[:512]
         audio = self._audio(inputs.get("audio"), text_ids)
         payload: dict[str, Any] = {
             "audio": {"features": self._features(audio)},
             "image": {"pixels": self._image(inputs.get("image"), text_ids)},
-            "speech": {"wav_path": os.path.abspath(os.path.expanduser(wav_path))},
+            "speech": {"wav_path": os.path.abspath(os.path.expanduser(wav_path)), "stream_audio": stream_audio},
             "shared": {"text": text, "text_ids": text_ids, "max_tokens": max_tokens},
         }
         if not speak:
@@ -205,7 +211,8 @@ class Talker:
             await ctx.emit({"index": tokens, "codes": codes})
             tokens += 1
             frames += codes.shape[0]
-        return {"wav_path": payload["wav_path"], "tokens": tokens, "frames": frames}
+        return {"wav_path": payload["wav_path"], "tokens": tokens, "frames": frames,
+                "stream_audio": bool(payload.get("stream_audio", False))}
 
 
 # -- vocoder --------------------------------------------------------------------------------------
@@ -237,6 +244,8 @@ class Vocoder:
         fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
         synth = Synth(self.sample_rate, self.hop)
         frames = 0
+        stream_audio = bool(payload.get("stream_audio", False))
+        index = 0
         try:
             with os.fdopen(fd, "wb") as raw, wave.open(raw, "wb") as out:
                 out.setnchannels(1)
@@ -246,9 +255,16 @@ class Vocoder:
                     codes = chunk["codes"].to(self.device)
                     with torch.inference_mode():
                         params = self.model(codes).cpu()
-                    out.writeframes(to_pcm16(synth.frames(params)))
+                    pcm = to_pcm16(synth.frames(params))
+                    out.writeframes(pcm)
                     frames += codes.shape[0]
-                out.writeframes(to_pcm16(synth.tail()))
+                    if stream_audio:
+                        await ctx.emit({"index": index, "pcm16": bytes(pcm), "sample_rate": self.sample_rate})
+                        index += 1
+                tail = to_pcm16(synth.tail())
+                out.writeframes(tail)
+                if stream_audio:
+                    await ctx.emit({"index": index, "pcm16": bytes(tail), "sample_rate": self.sample_rate})
             os.chmod(partial, 0o644)
             os.replace(partial, path)
         except BaseException:

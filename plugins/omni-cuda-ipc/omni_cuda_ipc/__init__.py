@@ -3,7 +3,7 @@
 Install it beside omni-core and name it in a pipeline config (or let ``auto`` pick it for GPU
 edges once the runtime considers CUDA edges)::
 
-    pip install omni-cuda-ipc
+    pip install -c constraints.txt ./plugins/omni-cuda-ipc      # from a checkout of omni
 
     relay:
       backend: cuda_ipc

@@ -42,40 +42,40 @@ stay in the sender's limbo until the sender exits (a limit of torch's CUDA IPC).
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
 import itertools
 import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import msgspec
 import torch
 from omni_core.relay import checks
-from omni_core.relay.base import (
-    Relay,
-    RelayCapabilities,
-    RelayContext,
-    RelayError,
-    RelayTimeout,
-    Transfer,
-)
+from omni_core.relay.base import Relay, RelayContext, RelayError, Transfer
 from omni_core.relay.inline import dtype_from_name, dtype_name
+from omni_core.relay.kit import (
+    BufferPool,
+    Credit,
+    Credits,
+    CreditWait,
+    dead_wait_text,
+    receiver_text,
+    relay_options,
+    wait_for_credit,
+)
 
-from .ledger import Ledger, LedgerError, process_alive
+from .ledger import Ledger, LedgerError
+from .plugin import CAPABILITIES, OPTIONS
 
 __all__ = ["CudaIpcRelay", "CudaIpcRelayError", "DEFAULTS"]
 
-DEFAULTS = {"credits": 32, "timeout": 30.0}
+DEFAULTS = {name: option.default for name, option in OPTIONS.items()}
 _ALIGN = 256
-_SPIN_S = 200e-6
-_MAX_SLEEP_S = 5e-3
-_DEAD_GRACE_S = 1.0
+_RECV_GRANULE = 1 << 16  # receive buffers are sized in 64 KiB steps
 _HEALTH_EVERY_S = 0.2
 _NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE: the unused event argument of _new_shared_cuda
 _COUNTER = re.compile(rb"/torch_[A-Za-z0-9_]{1,200}")  # torch's reference-count file names
@@ -117,13 +117,8 @@ _decode = msgspec.msgpack.Decoder(_Handle).decode
 
 def _options(options: dict[str, Any]) -> tuple[int, float]:
     """``(credits, timeout)`` from ``relay.options`` (other keys belong to other relays)."""
-    merged = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
-    for key, kind in (("credits", int), ("timeout", (int, float))):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-            raise ValueError(f"relay.options.{key}: expected a positive number, got {value!r} "
-                             f"(default {DEFAULTS[key]!r})")
-    return merged["credits"], float(merged["timeout"])
+    values = relay_options("cuda_ipc", OPTIONS, options)
+    return values["credits"], float(values["timeout"])
 
 
 def require_cuda(process: str) -> None:
@@ -230,79 +225,26 @@ def _return_counts(counters: Sequence[tuple[bytes, int]]) -> None:
             torch.UntypedStorage._release_ipc_counter(counter, offset, device=None)
 
 
-class _Buffers:
-    """Reusable flat receive buffers of one GPU (the slot pool of cross-GPU copies)."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.free: list[torch.Tensor] = []
-
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        fits = [b for b in self.free if nbytes <= b.numel() <= 2 * nbytes + (1 << 16)]
-        if fits:
-            best = min(fits, key=lambda b: b.numel())
-            self.free = [b for b in self.free if b is not best]  # identity: == compares values
-            return best
-        return torch.empty(-(-nbytes // (1 << 16)) * (1 << 16), dtype=torch.uint8, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self.free.append(buffer)
-        if len(self.free) > self.keep:
-            smallest = min(self.free, key=lambda b: b.numel())
-            self.free = [b for b in self.free if b is not smallest]
-
-
 # -- sender side ----------------------------------------------------------------------------------
 
 @attrs.define(eq=False)
-class _Credit:
-    slot: int
-    ticket: int
-    request_id: int
-    ledger: Ledger
+class _Credit(Credit):
     pins: list = attrs.Factory(list)  # the shared tensors, alive until released
     counters: list = attrs.Factory(list)  # torch's reference count of each share
 
 
-class _Credits:
-    """The sender's credits toward one target from one GPU: ``n`` slots, each holding a
-    transfer's tensors from ``put`` until the receiver releases them (or cleanup)."""
+class _Credits(Credits):
+    """The sender's credits toward one target from one GPU (see
+    :class:`omni_core.relay.kit.Credits`): each holds a transfer's tensors from ``put`` until the
+    receiver releases them (or cleanup)."""
 
     def __init__(self, n: int):
-        self.n = n
-        self.held: dict[int, _Credit] = {}
-        self.waiters: collections.deque = collections.deque()
+        super().__init__(n, _Credit)
 
-    def reclaim(self) -> None:
-        for credit in [c for c in self.held.values() if c.ledger.released(c.slot) == c.ticket]:
-            del self.held[credit.slot]  # its pins go: torch frees them once every view is gone
-
-    def take(self, request_id: int, tickets: itertools.count, ledger: Ledger) -> _Credit | None:
-        self.reclaim()
-        if len(self.held) >= self.n:
-            return None
-        slot = next(s for s in range(self.n) if s not in self.held)
-        credit = self.held[slot] = _Credit(slot, next(tickets), request_id, ledger)
-        ledger.issue(slot, credit.ticket)
-        return credit
-
-    def free(self, credit: _Credit) -> None:
-        """Give up ``credit``: return torch's counts if the receiver never opened it."""
-        if self.held.get(credit.slot) is credit:
-            del self.held[credit.slot]
-            if not credit.ledger.abandon(credit.slot, credit.ticket):
-                _return_counts(credit.counters)
-
-    def abandon(self, request_id: int) -> None:
-        for credit in [c for c in self.held.values() if c.request_id == request_id]:
-            self.free(credit)
-
-    def holders(self) -> list[int]:
-        self.reclaim()
-        return sorted({c.request_id for c in self.held.values()})
-
-    def ledgers(self) -> list[Ledger]:
-        return list({id(c.ledger): c.ledger for c in self.held.values()}.values())
+    def abandoned(self, credit: _Credit) -> None:
+        """Return torch's counts if the receiver never opened the transfer."""
+        if not credit.ledger.abandon(credit.slot, credit.ticket):
+            _return_counts(credit.counters)
 
 
 class _Link:
@@ -362,7 +304,7 @@ class _Peer:
             raise LedgerError(f"{name} belongs to a link that was closed")
         self.ledger.join()
         self.events: dict[tuple[int, bytes, int], torch.cuda.Event] = {}
-        self.pool = _Buffers(relay.credits)
+        self.pool = BufferPool(relay.credits, _RECV_GRANULE)
 
     def event(self, slot: int, handle: bytes, device: int) -> torch.cuda.Event:
         key = (slot, handle, device)
@@ -395,7 +337,7 @@ class CudaIpcRelay(Relay):
     """
 
     name = "cuda_ipc"
-    capabilities = RelayCapabilities(devices=frozenset({"cuda"}), scopes=frozenset({"node"}), priority=20)
+    capabilities = CAPABILITIES
 
     def __init__(self, ctx: RelayContext):
         super().__init__(ctx)
@@ -488,16 +430,17 @@ class CudaIpcRelay(Relay):
             return any(ledger.receiver_gone() for ledger in ledgers)
 
         def why(dead: bool) -> str:
-            waited = f"{_DEAD_GRACE_S:g} s after its receiver died" if dead else f"{self.timeout:g} s"
             return (
                 f"cuda_ipc relay: put from process {self.ctx.process!r} to process {target!r} waited "
-                f"{waited} for a credit ({credits.n} unreleased transfers per target and GPU), held "
+                f"{dead_wait_text(dead, self.timeout)} for a credit ({credits.n} unreleased transfers per target and GPU), held "
                 f"by requests {credits.holders()[:10]}; {_receiver_text(credits)}. The runtime frees a "
                 "dead receiver's credits with cleanup(request_id); raise relay.options timeout or "
                 "credits if the receiver is merely slow"
             )
 
-        return await _acquire(credits.waiters, self.timeout, attempt, receiver_dead, why, lambda: self._closed)
+        wait = CreditWait(credits.waiters, self.timeout, receiver_dead, why, lambda: self._closed,
+                          lambda: CudaIpcRelayError("cuda_ipc relay: closed while a put waited for a credit"))
+        return await wait_for_credit(wait, attempt)
 
     # -- receiver -------------------------------------------------------------------------------
 
@@ -650,7 +593,7 @@ class CudaIpcRelay(Relay):
         self._streams.clear()
 
     @classmethod
-    def sweep(cls, run_id: str | None = None) -> list[str]:
+    def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         """Nothing outside the runtime dir: ledgers live there and go with it; CUDA memory goes
         with the process that allocated it."""
         return []
@@ -665,54 +608,5 @@ def _local_index(uuid: str) -> int | None:
 
 
 def _receiver_text(credits: _Credits) -> str:
-    for ledger in credits.ledgers():
-        pid, start = ledger.receiver
-        if pid:
-            state = "is dead" if not process_alive(pid, start) else "is alive but did not release them"
-            return f"receiver pid {pid} {state}"
-    return "the receiver has not opened the link yet (no get of it has run)"
-
-
-async def _acquire(waiters: collections.deque, timeout: float, attempt: Callable[[], Any],
-                   receiver_dead: Callable[[], bool], why: Callable[[bool], str],
-                   closed: Callable[[], bool]) -> Any:
-    """``attempt()``'s first non-None result, in FIFO order among the waiters: spin briefly, then
-    sleep with backoff; :class:`RelayTimeout` after ``timeout`` (or one second once the receiver
-    is seen dead)."""
-    if not waiters:
-        got = attempt()
-        if got is not None:
-            return got
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    turn = loop.create_future()
-    waiters.append(turn)
-    try:
-        if waiters[0] is not turn:
-            try:
-                await asyncio.wait_for(turn, deadline - loop.time())
-            except asyncio.TimeoutError:
-                raise RelayTimeout(why(False)) from None
-        spin_until, sleep, dead, next_check = time.perf_counter() + _SPIN_S, 0.0, False, 0.0
-        while True:
-            if closed():
-                raise CudaIpcRelayError("cuda_ipc relay: closed while a put waited for a credit")
-            got = attempt()
-            if got is not None:
-                return got
-            now = loop.time()
-            if now >= deadline:
-                raise RelayTimeout(why(dead))
-            if not dead and now >= next_check:
-                next_check = now + 0.1
-                if receiver_dead():
-                    dead, deadline = True, min(deadline, now + _DEAD_GRACE_S)
-            if time.perf_counter() < spin_until:
-                await asyncio.sleep(0)
-            else:
-                sleep = min(max(sleep * 2, 1e-3), _MAX_SLEEP_S)
-                await asyncio.sleep(min(sleep, max(deadline - now, 0.0)))
-    finally:
-        waiters.remove(turn)
-        if waiters and not waiters[0].done():
-            waiters[0].set_result(None)
+    return receiver_text((ledger.receiver for ledger in credits.ledgers()),
+                         "the receiver has not opened the link yet (no get of it has run)")

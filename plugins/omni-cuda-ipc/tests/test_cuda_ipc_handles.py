@@ -53,3 +53,22 @@ def test_forged_handles_are_refused(changes, match):
 def test_malformed_bytes_are_refused():
     with pytest.raises(InvalidHandle, match="malformed"):
         check_handle(b"\x93\x01", RUN)
+
+
+@pytest.mark.cuda
+def test_a_relay_refuses_forged_handles_before_opening_anything(tmp_path):
+    import asyncio
+
+    from omni_core.relay.base import RelayContext
+
+    from omni_cuda_ipc.relay import CudaIpcRelay
+
+    relay = CudaIpcRelay(RelayContext(RUN, "b", str(tmp_path), {}))
+    try:
+        for raw in (handle(link="../../tmp/x"), handle(shared=[share(counter=b"/../x")]),
+                    handle(link="", shapes=[[1 << 27]], shared=[None])):
+            with pytest.raises(InvalidHandle):
+                asyncio.run(relay.get(raw, []))
+        assert relay._peers == {}
+    finally:
+        relay.close()

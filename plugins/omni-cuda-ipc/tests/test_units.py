@@ -11,12 +11,12 @@ import msgspec
 import pytest
 import torch
 from omni_core.relay.base import RelayContext
+from omni_core.relay.kit import BufferPool
 
 from omni_cuda_ipc.ledger import Ledger, LedgerError, process_alive
 from omni_cuda_ipc.relay import (
     CudaIpcRelay,
     CudaIpcRelayError,
-    _Buffers,
     _decode,
     _encode,
     _Handle,
@@ -66,7 +66,7 @@ def test_contiguous_strides():
 
 
 def test_receive_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
-    pool = _Buffers(keep=2)
+    pool = BufferPool(keep=2, granule=1 << 16)
     small, large = pool.take(1000, torch.device("cpu")), pool.take(1 << 20, torch.device("cpu"))
     assert small.numel() == 1 << 16 and large.numel() == 1 << 20
     pool.give(large)

@@ -2,7 +2,7 @@
 
 Install it beside omni-core and name it in a pipeline config::
 
-    pip install omni-nccl
+    pip install -c constraints.txt ./plugins/omni-nccl          # from a checkout of omni
 
     relay:
       backend: nccl

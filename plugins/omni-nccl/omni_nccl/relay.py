@@ -58,32 +58,33 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import msgspec
 import torch
 from omni_core.relay import checks
-from omni_core.relay.base import (
-    Relay,
-    RelayCapabilities,
-    RelayContext,
-    RelayError,
-    RelayTimeout,
-    Transfer,
-)
+from omni_core.relay.base import Relay, RelayContext, RelayError, Transfer
 from omni_core.relay.inline import dtype_from_name, dtype_name
+from omni_core.relay.kit import (
+    BufferPool,
+    Credit,
+    Credits,
+    CreditWait,
+    dead_wait_text,
+    receiver_text,
+    relay_options,
+    wait_for_credit,
+)
 
-from .ledger import Ledger, LedgerError, process_alive
+from .ledger import Ledger, LedgerError
+from .plugin import CAPABILITIES, OPTIONS
 
 __all__ = ["NcclRelay", "NcclRelayError", "DEFAULTS"]
 
-DEFAULTS = {"credits": 16, "timeout": 30.0, "link_timeout": 60.0}
+DEFAULTS = {name: option.default for name, option in OPTIONS.items()}
 _ALIGN = 64
-_SPIN_S = 200e-6
-_MAX_SLEEP_S = 5e-3
-_DEAD_GRACE_S = 1.0
 _HEALTH_EVERY_S = 0.2
 _POLL_MIN_S, _POLL_MAX_S = 2e-3, 50e-3
 _TAG_MASK = 0x3FFFFFFF
@@ -119,13 +120,8 @@ _decode = msgspec.msgpack.Decoder(_Handle).decode
 
 def _options(options: dict[str, Any]) -> tuple[int, float, float]:
     """``(credits, timeout, link_timeout)`` from ``relay.options`` (other keys: other relays)."""
-    merged = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
-    for key, kind in (("credits", int), ("timeout", (int, float)), ("link_timeout", (int, float))):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-            raise ValueError(f"relay.options.{key}: expected a positive number, got {value!r} "
-                             f"(default {DEFAULTS[key]!r})")
-    return merged["credits"], float(merged["timeout"]), float(merged["link_timeout"])
+    values = relay_options("nccl", OPTIONS, options)
+    return values["credits"], float(values["timeout"]), float(values["link_timeout"])
 
 
 def _clean(text: str, limit: int) -> str:
@@ -219,88 +215,16 @@ def _drop_group(group: Any, kind: str) -> None:
 
 # -- buffers and credits ------------------------------------------------------------------------
 
-class _Buffers:
-    """Reusable flat byte buffers on one device: new memory is slow (page faults), a warm buffer
-    is not. Keeps at most ``keep`` free buffers; a buffer serves sizes from half its size up."""
+class _Credits(Credits):
+    """The sender's credits toward one target for one device kind (see
+    :class:`omni_core.relay.kit.Credits`). They outlive links: credits a dead receiver held stay
+    held until ``cleanup``."""
 
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.free: list[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
-        with self.lock:
-            fits = [b for b in self.free if nbytes <= b.numel() <= 2 * nbytes + 4096]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self.free = [b for b in self.free if b is not best]  # identity: == compares values
-                return best
-        return torch.empty(-(-nbytes // 4096) * 4096, dtype=torch.uint8, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        with self.lock:
-            self.free.append(buffer)
-            if len(self.free) > self.keep:
-                smallest = min(self.free, key=lambda b: b.numel())
-                self.free = [b for b in self.free if b is not smallest]
-
-    def clear(self) -> None:
-        with self.lock:
-            self.free.clear()
-
-
-@attrs.define(eq=False)
-class _Credit:
-    slot: int
-    ticket: int
-    request_id: int
-    ledger: Ledger  # where its release will appear (the link it was posted on)
-
-
-class _Credits:
-    """The sender's credits toward one target for one device kind: ``n`` slots, each held from
-    ``put`` until the receiver releases it (or the request is cleaned up). They outlive links:
-    credits a dead receiver held stay held until ``cleanup``."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.held: dict[int, _Credit] = {}
-        self.waiters: collections.deque = collections.deque()
-
-    def reclaim(self) -> None:
-        for credit in [c for c in self.held.values() if c.ledger.released(c.slot) == c.ticket]:
-            del self.held[credit.slot]
-
-    def take(self, request_id: int, tickets: itertools.count, ledger: Ledger) -> _Credit | None:
-        self.reclaim()
-        if len(self.held) >= self.n:
-            return None
-        slot = next(s for s in range(self.n) if s not in self.held)
-        credit = self.held[slot] = _Credit(slot, next(tickets), request_id, ledger)
-        ledger.issue(slot, credit.ticket)
-        return credit
-
-    def move(self, credit: _Credit, ledger: Ledger) -> None:
+    def move(self, credit: Credit, ledger: Ledger) -> None:
         """Post ``credit`` on another link (its first one broke before the transfer went out)."""
         credit.ledger.abandon(credit.slot, credit.ticket)
         credit.ledger = ledger
         ledger.issue(credit.slot, credit.ticket)
-
-    def free(self, credit: _Credit) -> None:
-        if self.held.get(credit.slot) is credit:
-            del self.held[credit.slot]
-            credit.ledger.abandon(credit.slot, credit.ticket)
-
-    def abandon(self, request_id: int) -> None:
-        for credit in [c for c in self.held.values() if c.request_id == request_id]:
-            self.free(credit)
-
-    def holders(self) -> list[int]:
-        self.reclaim()
-        return sorted({c.request_id for c in self.held.values()})
-
-    def ledgers(self) -> list[Ledger]:
-        return list({id(c.ledger): c.ledger for c in self.held.values()}.values())
 
 
 # -- the sending end of a link --------------------------------------------------------------------
@@ -356,7 +280,7 @@ class _SendLink:
 
     # -- sending --------------------------------------------------------------------------------
 
-    def post(self, send: _Send, credit: _Credit) -> None:
+    def post(self, send: _Send, credit: Credit) -> None:
         """Describe ``send`` in the ring and issue it (or queue it until the link connects)."""
         with self.lock:
             if self.error is not None:
@@ -473,7 +397,7 @@ class _RecvLink:
         except BaseException:
             self.ledger.close()
             raise
-        self.pool = _Buffers(relay.credits) if self.kind == "cpu" else None
+        self.pool = BufferPool(relay.credits) if self.kind == "cpu" else None
         self.cond = threading.Condition()
         self.next = 1
         self.stash: dict[int, _Arrival] = {}
@@ -650,9 +574,7 @@ class NcclRelay(Relay):
     """
 
     name = "nccl"
-    capabilities = RelayCapabilities(
-        devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node"}), priority=5
-    )
+    capabilities = CAPABILITIES
 
     def __init__(self, ctx: RelayContext):
         super().__init__(ctx)
@@ -663,7 +585,7 @@ class NcclRelay(Relay):
         self._generations = itertools.count(1)
         self._links: dict[tuple[str, str], _SendLink] = {}
         self._credits: dict[tuple[str, str], _Credits] = {}
-        self._staging: dict[tuple[str, Any], _Buffers] = {}
+        self._staging: dict[tuple[str, Any], BufferPool] = {}
         self._retired: list[_SendLink] = []
         self._rlinks: dict[str, _RecvLink] = {}
         self._held: dict[bytes, tuple[_RecvLink, _Arrival, int]] = {}
@@ -718,11 +640,11 @@ class NcclRelay(Relay):
                 buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t.detach())
         return buffer
 
-    def staging_pool(self, kind: str, device: torch.device) -> _Buffers:
+    def staging_pool(self, kind: str, device: torch.device) -> BufferPool:
         key = (kind, str(device))
         pool = self._staging.get(key)
         if pool is None:
-            pool = self._staging[key] = _Buffers(self.credits)
+            pool = self._staging[key] = BufferPool(self.credits)
         return pool
 
     def _link(self, target: str, kind: str, device) -> _SendLink:
@@ -742,12 +664,12 @@ class NcclRelay(Relay):
             link.close()
             self._retired.append(link)
 
-    async def _acquire(self, key, credits: _Credits, request_id: int, nbytes: int, device) -> _Credit:
+    async def _acquire(self, key, credits: _Credits, request_id: int, nbytes: int, device) -> Credit:
         """A credit toward ``key``'s target on a link with room in its ring, waiting in FIFO order;
         :class:`RelayTimeout` after ``timeout`` (one second once the receiver is seen dead)."""
         target, kind = key
 
-        def attempt() -> _Credit | None:
+        def attempt() -> Credit | None:
             link = self._link(target, kind, device)
             link.reap()
             if not link.ring_free():
@@ -760,17 +682,17 @@ class NcclRelay(Relay):
             return any(ledger.receiver_gone() for ledger in ledgers)
 
         def why(dead: bool) -> str:
-            waited = f"{_DEAD_GRACE_S:g} s after its receiver died" if dead else f"{self.timeout:g} s"
             return (
                 f"nccl relay: put of {nbytes} bytes from process {self.ctx.process!r} to process "
-                f"{target!r} waited {waited} for a credit ({credits.n} unreleased {kind} transfers "
+                f"{target!r} waited {dead_wait_text(dead, self.timeout)} for a credit ({credits.n} unreleased {kind} transfers "
                 f"per target), held by requests {credits.holders()[:10]}; {_receiver_text(credits)}. "
                 "The runtime frees a dead receiver's credits with cleanup(request_id); raise "
                 "relay.options timeout or credits if the receiver is merely slow"
             )
 
-        return await _acquire(credits.waiters, self.timeout, attempt, receiver_dead, why,
-                              lambda: self._closed)
+        wait = CreditWait(credits.waiters, self.timeout, receiver_dead, why, lambda: self._closed,
+                          lambda: NcclRelayError("nccl relay: closed while a put waited for a credit"))
+        return await wait_for_credit(wait, attempt)
 
     # -- receiver -------------------------------------------------------------------------------
 
@@ -893,59 +815,11 @@ class NcclRelay(Relay):
         self._staging.clear()
 
     @classmethod
-    def sweep(cls, run_id: str | None = None) -> list[str]:
+    def sweep(cls, run_id: str | None = None, *, dry_run: bool = False) -> list[str]:
         """Nothing outside the runtime dir: ledgers and stores live there and go with it."""
         return []
 
 
 def _receiver_text(credits: _Credits) -> str:
-    for ledger in credits.ledgers():
-        pid, start = ledger.receiver
-        if pid:
-            state = "is dead" if not process_alive(pid, start) else "is alive but did not release them"
-            return f"receiver pid {pid} {state}"
-    return "the receiver has not joined the link yet (no get of it has run)"
-
-
-async def _acquire(waiters: collections.deque, timeout: float, attempt: Callable[[], Any],
-                   receiver_dead: Callable[[], bool], why: Callable[[bool], str],
-                   closed: Callable[[], bool]) -> Any:
-    """``attempt()``'s first non-None result, in FIFO order among the waiters: spin briefly, then
-    sleep with backoff (no core burnt)."""
-    if not waiters:
-        got = attempt()
-        if got is not None:
-            return got
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    turn = loop.create_future()
-    waiters.append(turn)
-    try:
-        if waiters[0] is not turn:
-            try:
-                await asyncio.wait_for(turn, deadline - loop.time())
-            except asyncio.TimeoutError:
-                raise RelayTimeout(why(False)) from None
-        spin_until, sleep, dead, next_check = time.perf_counter() + _SPIN_S, 0.0, False, 0.0
-        while True:
-            if closed():
-                raise NcclRelayError("nccl relay: closed while a put waited for a credit")
-            got = attempt()
-            if got is not None:
-                return got
-            now = loop.time()
-            if now >= deadline:
-                raise RelayTimeout(why(dead))
-            if not dead and now >= next_check:
-                next_check = now + 0.1
-                if receiver_dead():
-                    dead, deadline = True, min(deadline, now + _DEAD_GRACE_S)
-            if time.perf_counter() < spin_until:
-                await asyncio.sleep(0)
-            else:
-                sleep = min(max(sleep * 2, 1e-3), _MAX_SLEEP_S)
-                await asyncio.sleep(min(sleep, max(deadline - now, 0.0)))
-    finally:
-        waiters.remove(turn)
-        if waiters and not waiters[0].done():
-            waiters[0].set_result(None)
+    return receiver_text((ledger.receiver for ledger in credits.ledgers()),
+                         "the receiver has not joined the link yet (no get of it has run)")

@@ -416,25 +416,6 @@ def test_nccl_link_carries_many_transfers_in_order_both_ways(make):
     run(go())
 
 
-# -- buffers ----------------------------------------------------------------------------------
-
-def test_buffer_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
-    from omni_nccl.relay import _Buffers
-
-    pool = _Buffers(keep=2)
-    small, large = pool.take(1000, "cpu"), pool.take(100_000, "cpu")
-    assert small.numel() == 4096 and large.numel() == 102400
-    pool.give(large)
-    pool.give(small)
-    assert pool.take(50_000, "cpu") is large, "a buffer serves sizes from half its size up"
-    assert pool.take(3000, "cpu") is small
-    fresh = pool.take(3000, "cpu")
-    assert fresh is not small and fresh is not large
-    for buffer in (small, large, fresh):
-        pool.give(buffer)
-    assert len(pool.free) == 2 and all(b is not small for b in pool.free), "the smallest goes first"
-
-
 def test_nccl_on_one_gpu_for_both_ends_points_to_cuda_ipc():
     from omni_nccl.relay import _hint
 

@@ -23,7 +23,7 @@ def test_the_entry_point_loads_the_plugin_without_errors(plugins):
     info = plugins.info("contrib")
     assert info.distribution == "omni-contrib-stages" and not info.builtin
     assert info.error is None
-    assert info.hooks == ["omni_register_stages", "omni_register_functions", "omni_register_pipelines"]
+    assert info.hooks == ["omni_register_stages", "omni_register_functions", "omni_register_pipelines", "omni_register_apis"]
 
 
 def test_every_registered_name_resolves_to_what_it_says(plugins):
@@ -38,6 +38,7 @@ def test_every_registered_name_resolves_to_what_it_says(plugins):
         assert len(inspect.signature(fn).parameters) == {"merge": 1, "project_payload": 1, "route": 2}[kind]
     assert plugin.SPLIT_PARTS == functions.SPLIT_PARTS
     assert registry.names("pipeline") == ["demo"]
+    assert registry.names("api") == ["openai"] and callable(registry.resolve("api", "openai"))
 
 
 def test_loading_the_plugin_imports_no_stage_code():

@@ -1,0 +1,303 @@
+"""The ``openai`` API of ``omni serve``: an OpenAI-compatible ``/v1/chat/completions`` (text and
+audio, streamed or not) and ``/v1/models`` for any pipeline that maps text in to text (and audio)
+out.
+
+The adapter (``serve.options.openai`` in the pipeline config; every key optional) says how::
+
+    serve:
+      apis: [openai]
+      options:
+        openai:
+          prompt_key: text            # the prompt goes to inputs[prompt_key]
+          max_tokens_key: max_tokens  # max_tokens / max_completion_tokens go here (null: ignored)
+          inputs: {}                  # merged into every request's inputs
+          text_inputs: {speak: false} # ... when the client asked for text only
+          audio_inputs: {stream_audio: true}   # ... when it asked for audio too
+          text_stage: thinker         # whose chunks carry text (default: the first terminal stage)
+          text_field: text            # chunk[text_field] is one piece of text
+          text_joiner: " "            # put between two pieces
+          result_text_field: text     # result[text_stage][result_text_field]: the whole text
+          audio_stage: vocoder        # whose chunks carry audio (null: the pipeline has none)
+          audio_field: pcm16          # chunk[audio_field]: mono little-endian 16-bit PCM bytes
+          sample_rate: 24000
+          voices: null                # accepted voice names (null: any)
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
+codes of ``omni serve`` (400, 404, 429 + Retry-After, 500, 503, 504).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+import uuid
+import wave
+from collections.abc import Mapping
+from typing import Any
+
+#: Adapter options and their defaults.
+DEFAULTS: dict[str, Any] = {
+    "prompt_key": "text",
+    "max_tokens_key": None,
+    "inputs": {},
+    "text_inputs": {},
+    "audio_inputs": {},
+    "text_stage": None,
+    "text_field": "text",
+    "text_joiner": " ",
+    "result_text_field": "text",
+    "audio_stage": None,
+    "audio_field": "pcm16",
+    "sample_rate": 24000,
+    "voices": None,
+}
+
+AUDIO_FORMATS = ("wav", "pcm16")
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[str, Any]:
+    """The adapter's options with defaults; unknown keys are an error naming the known ones."""
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}")
+    opts = {**DEFAULTS, **options}
+    terminals = list(pipeline_config.terminal_stages)
+    if opts["text_stage"] is None:
+        opts["text_stage"] = terminals[0]
+    for key in ("text_stage", "audio_stage"):
+        if opts[key] is not None and opts[key] not in pipeline_config.stage_names:
+            raise ValueError(f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
+                             f"(stages: {', '.join(pipeline_config.stage_names)})")
+    return opts
+
+
+def _prompt(messages: Any) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
+        raise BadRequest("'messages' needs at least one message with role 'user'", "messages")
+    content = users[-1].get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    if not isinstance(content, str) or not content.strip():
+        raise BadRequest("the last user message needs text content", "messages")
+    return content
+
+
+def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Check a chat completion request; returns what the handler needs."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the body must be a JSON object")
+    if "model" not in body:
+        raise BadRequest("'model' is required", "model")
+    if body["model"] != model:
+        raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {model!r}", "model", 404, "model_not_found")
+    prompt = _prompt(body.get("messages"))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+    modalities = body.get("modalities") or ["text"]
+    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} or "text" not in modalities:
+        raise BadRequest("'modalities' must be [\"text\"] or [\"text\", \"audio\"]", "modalities")
+    want_audio = "audio" in modalities
+    audio = body.get("audio")
+    fmt = None
+    if want_audio:
+        if opts["audio_stage"] is None:
+            raise BadRequest("this model has no audio output; ask for modalities [\"text\"]", "modalities")
+        if not isinstance(audio, Mapping):
+            raise BadRequest("modalities with 'audio' need 'audio': {\"voice\": ..., \"format\": \"wav\" | \"pcm16\"}", "audio")
+        fmt = audio.get("format", "pcm16" if stream else "wav")
+        if fmt not in AUDIO_FORMATS:
+            raise BadRequest(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}", "audio.format")
+        if stream and fmt != "pcm16":
+            raise BadRequest("streamed audio must use audio.format 'pcm16'", "audio.format")
+        voice = audio.get("voice")
+        if not isinstance(voice, str) or not voice:
+            raise BadRequest("audio.voice is required (a voice name)", "audio.voice")
+        if opts["voices"] is not None and voice not in opts["voices"]:
+            raise BadRequest(f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice")
+    inputs = {**opts["inputs"], **(opts["audio_inputs"] if want_audio else opts["text_inputs"]), opts["prompt_key"]: prompt}
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        if opts["max_tokens_key"] is not None:
+            inputs[opts["max_tokens_key"]] = limit
+    return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt}
+
+
+def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm)
+    return buf.getvalue()
+
+
+def _final_text(result: Any, opts: dict[str, Any], pieces: list[str]) -> str:
+    part = result.get(opts["text_stage"], result) if isinstance(result, Mapping) else result
+    if isinstance(part, Mapping) and isinstance(part.get(opts["result_text_field"]), str):
+        return part[opts["result_text_field"]]
+    return opts["text_joiner"].join(pieces)
+
+
+def make_routes(api: Any) -> list[Any]:
+    """The API factory registered as ``openai``."""
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from omni_core.serve import ClientGone, EventStream, describe
+
+    model = api.pipeline_name
+    opts = adapter_options(api.options, api.pipeline.config)
+    created = int(time.time())
+
+    def error(status: int, message: str, *, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def from_exception(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+        err = describe(exc)
+        where = f" (stage {err.stage!r})" if err.stage else ""
+        body = {"message": f"{err.type}{where}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
+                "param": None, "code": err.type}
+        return err.status, body, err.headers
+
+    def text_of(chunk: Any) -> str | None:
+        if isinstance(chunk, Mapping):
+            value = chunk.get(opts["text_field"])
+            return value if isinstance(value, str) else None
+        return chunk if isinstance(chunk, str) else None
+
+    def audio_of(chunk: Any) -> bytes | None:
+        if isinstance(chunk, Mapping):
+            value = chunk.get(opts["audio_field"])
+            return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+        return None
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]})
+
+    async def chat_completions(request):
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"the body is not valid JSON: {exc}") from None
+            req = parse_request(body, model, opts)
+        except BadRequest as exc:
+            return error(exc.status, exc.message, param=exc.param, code=exc.code)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        request.scope.setdefault("state", {})["omni_request_id"] = rid
+        events = api.stream(req["inputs"], request_id=rid, headers=request.headers)
+        if req["stream"]:
+            return await _streamed(request, rid, req, events)
+        pieces: list[str] = []
+        pcm = bytearray()
+
+        async def collect():
+            async for event in events:
+                if event.is_result:
+                    return event.data
+                if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                    pieces.append(piece)
+                elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
+                    pcm.extend(data)
+            return None
+
+        try:
+            result = await api.until_disconnect(request.receive, collect())
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        except Exception as exc:
+            status, body, headers = from_exception(exc)
+            return JSONResponse({"error": body}, status_code=status, headers=headers)
+        finally:
+            await events.aclose()
+        text = _final_text(result, opts, pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if req["audio"]:
+            data = wav_bytes(bytes(pcm), opts["sample_rate"]) if req["format"] == "wav" else bytes(pcm)
+            message["audio"] = {"id": f"audio-{rid}", "data": base64.b64encode(data).decode(), "transcript": text,
+                                "expires_at": int(time.time()) + 3600}
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": len(pieces), "total_tokens": len(pieces)},
+        })
+
+    async def _streamed(request, rid, req, events):
+        now = int(time.time())
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            data = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+        # The first event (or the error that prevents it) before the response starts, so
+        # overload and unavailability keep their status codes.
+        try:
+            first = await api.until_disconnect(request.receive, events.__anext__())
+        except ClientGone:
+            await events.aclose()
+            return JSONResponse({}, status_code=499)
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            await events.aclose()
+            status, body, headers = from_exception(exc)
+            return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+        async def body():
+            event = first
+            pieces = 0
+            audio_id = f"audio-{rid}"
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                while event is not None and not event.is_result:
+                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                        text = piece if pieces == 0 else opts["text_joiner"] + piece
+                        pieces += 1
+                        delta: dict[str, Any] = {"content": text}
+                        if req["audio"]:
+                            delta["audio"] = {"id": audio_id, "transcript": text}
+                        yield chunk(delta)
+                    elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
+                        yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": ""}})
+                    try:
+                        event = await events.__anext__()
+                    except StopAsyncIteration:
+                        event = None
+                yield chunk({}, "stop")
+            except Exception as exc:
+                _, err, _ = from_exception(exc)
+                yield f"data: {json.dumps({'error': err})}\n\n".encode()
+            finally:
+                await events.aclose()
+            yield b"data: [DONE]\n\n"
+
+        return EventStream(body())
+
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]

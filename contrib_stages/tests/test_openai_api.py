@@ -1,0 +1,143 @@
+"""The ``openai`` API against a real ``omni serve demo``, with the official ``openai`` SDK and with
+httpx: models, chat completions with text and audio, streamed and not, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import httpx
+import openai
+import pytest
+from omni_contrib_stages.openai_api import BadRequest, adapter_options, parse_request
+
+from omni_core import load_config
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+SAMPLE_RATE = 24000
+
+
+def samples_for(words: int) -> int:
+    """The demo vocoder's output length: one hop (1200 samples) per codec frame, 4 frames per
+    word, plus the fade-out."""
+    return (words * 4 + 1) * 1200
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # No --api: the demo config's `serve: {apis: [openai]}` mounts it.
+    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve"))).start()
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.output()
+        srv.assert_nothing_left()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_the_served_pipeline_is_the_one_model(client):
+    assert [m.id for m in client.models.list()] == ["demo"]
+
+
+def test_a_text_completion(client):
+    done = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=5)
+    message = done.choices[0].message
+    assert done.object == "chat.completion" and done.model == "demo"
+    assert message.role == "assistant" and done.choices[0].finish_reason == "stop"
+    assert len(message.content.rstrip(".").split()) == 5 and message.audio is None
+
+
+def test_a_completion_with_wav_audio_and_its_transcript(client):
+    done = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=3,
+        modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"},
+    )
+    message = done.choices[0].message
+    assert message.audio.transcript == message.content and len(message.content.rstrip(".").split()) == 3
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
+        assert wav.getnframes() == samples_for(3)
+
+
+def test_a_streamed_completion_with_pcm16_audio(client):
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=4, stream=True,
+        modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+    )
+    text, transcript, pcm, finish = [], [], bytearray(), []
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk" and chunk.model == "demo"
+        delta = chunk.choices[0].delta
+        if delta.content:
+            text.append(delta.content)
+        audio = delta.audio  # the SDK's own ChoiceDeltaAudio type
+        if audio is not None and audio.data:
+            pcm.extend(base64.b64decode(audio.data))
+        if audio is not None and audio.transcript:
+            transcript.append(audio.transcript)
+        if chunk.choices[0].finish_reason:
+            finish.append(chunk.choices[0].finish_reason)
+    assert len("".join(text).split()) == 4 and "".join(transcript) == "".join(text)
+    assert len(pcm) == 2 * samples_for(4)
+    assert finish == ["stop"]
+
+
+def test_a_streamed_text_completion_over_plain_http_ends_with_done(server):
+    body = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).count(" ") == 2
+    assert all("audio" not in c["choices"][0]["delta"] for c in chunks)
+
+
+def test_errors_have_the_openai_shape_and_status(client, server):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    assert "this server serves 'demo'" in info.value.message
+    with pytest.raises(openai.BadRequestError, match="pcm16"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], stream=True,
+                                       modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "demo", "messages": []}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "messages"
+
+
+# -- the adapter, without a server --------------------------------------------------------------------
+
+
+def test_the_adapter_maps_a_request_to_the_demo_inputs():
+    cfg = load_config("demo")
+    opts = adapter_options(cfg.serve.options["openai"], cfg)
+    req = parse_request({"model": "demo", "messages": [{"role": "system", "content": "be brief"},
+                                                       {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                         "max_completion_tokens": 7, "modalities": ["text", "audio"],
+                         "audio": {"voice": "v", "format": "wav"}}, "demo", opts)
+    assert req["inputs"] == {"text": "hi", "max_tokens": 7, "stream_audio": True}
+    assert (req["audio"], req["format"], req["stream"]) == (True, "wav", False)
+    text_only = parse_request({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts)
+    assert text_only["inputs"] == {"text": "hi", "speak": False}
+
+
+def test_adapter_options_are_checked_against_the_pipeline():
+    cfg = load_config("demo")
+    with pytest.raises(ValueError, match="unknown option"):
+        adapter_options({"txt_stage": "thinker"}, cfg)
+    with pytest.raises(ValueError, match="no stage 'speaker'"):
+        adapter_options({"audio_stage": "speaker"}, cfg)
+    with pytest.raises(BadRequest, match="no audio output"):
+        parse_request({"model": "demo", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
+                       "audio": {"voice": "v"}}, "demo", adapter_options({}, cfg))

@@ -1,0 +1,353 @@
+"""Metrics of a pipeline, counted where things happen and aggregated over every process.
+
+Each process keeps its own counters and histograms in plain dicts (no lock on the hot path: one
+dict update under the GIL). Stage processes publish theirs as a small JSON file in the run's
+private runtime directory (``<runtime_dir>/metrics/<process>.<pid>.json``), rewritten by a
+background thread at most every :data:`EXPORT_INTERVAL` seconds when something changed, and once
+more when the process exits. The caller's process (a server, an embedder) reads those files and
+merges them with its own counts: :func:`collect`. A file per pid means a restarted process keeps
+the counts of its predecessor, and the number of pids per process name is its restart count.
+
+The runtime calls (stage processes)::
+
+    metrics.stage_call(stage, status, seconds)     # status: ok | error | aborted
+    metrics.stream_chunk(stage)                    # one chunk emitted by a stage
+    metrics.relay_bytes(relay, src, dst, nbytes)   # tensor bytes put through a relay
+
+The caller's side is measured around ``Pipeline.submit``/``Pipeline.stream`` by
+:class:`RequestMeter`, which ``omni serve`` uses and embedders can use the same way::
+
+    meter = RequestMeter(pipeline)
+    result = await meter.submit(inputs)
+    text = meter.prometheus_text()      # or meter.snapshot() for plain data
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+#: Seconds between two exports of a stage process's metrics (only when something changed).
+EXPORT_INTERVAL = 0.25
+
+#: Histogram buckets (seconds): from sub-millisecond hops to minute-long generations.
+BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+
+#: Every metric omni exports: name → (type, help, label names).
+DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "omni_requests_total": ("counter", "Requests that ended, by outcome.", ("pipeline", "status")),
+    "omni_request_duration_seconds": ("histogram", "Request latency, from admission to its result or error.", ("pipeline",)),
+    "omni_time_to_first_chunk_seconds": ("histogram", "Time from admission to the first streamed chunk.", ("pipeline",)),
+    "omni_requests_in_flight": ("gauge", "Requests admitted and not ended.", ("pipeline",)),
+    "omni_stage_calls_total": ("counter", "Stage calls that ended, by outcome (ok, error, aborted).", ("stage", "status")),
+    "omni_stage_duration_seconds": ("histogram", "Duration of one stage call.", ("stage",)),
+    "omni_stream_chunks_total": ("counter", "Chunks a stage emitted.", ("stage",)),
+    "omni_relay_bytes_total": ("counter", "Tensor bytes put through a relay, by sending and receiving process.", ("relay", "src", "dst")),
+    "omni_process_restarts_total": ("counter", "Times a stage process was restarted.", ("process",)),
+}
+
+Labels = tuple[str, ...]
+
+
+class Store:
+    """One process's metrics: counters, gauges and histograms keyed by metric and labels."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[Labels, float]] = {}
+        self.histograms: dict[str, dict[Labels, list[float]]] = {}
+        self.version = 0
+
+    def inc(self, name: str, labels: Labels, value: float = 1.0) -> None:
+        series = self.values.setdefault(name, {})
+        series[labels] = series.get(labels, 0.0) + value
+        self.version += 1
+
+    def observe(self, name: str, labels: Labels, seconds: float) -> None:
+        """``[count per bucket ..., count, sum]``: bucket counts are not cumulative here."""
+        series = self.histograms.setdefault(name, {})
+        row = series.get(labels)
+        if row is None:
+            row = series[labels] = [0.0] * (len(BUCKETS) + 3)
+        row[bisect_left(BUCKETS, seconds)] += 1  # index len(BUCKETS): above the last bucket
+        row[-2] += 1
+        row[-1] += seconds
+        self.version += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain, JSON-able data: ``{"values": {name: [[labels, value], ...]}, "histograms": ...}``."""
+        return {
+            "values": {n: [[list(k), v] for k, v in list(s.items())] for n, s in list(self.values.items())},
+            "histograms": {n: [[list(k), list(v)] for k, v in list(s.items())] for n, s in list(self.histograms.items())},
+        }
+
+
+def merge(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Sum snapshots of several processes into one (same shape as :meth:`Store.snapshot`)."""
+    values: dict[str, dict[Labels, float]] = {}
+    histograms: dict[str, dict[Labels, list[float]]] = {}
+    for snap in snapshots:
+        for name, rows in snap.get("values", {}).items():
+            series = values.setdefault(name, {})
+            for labels, value in rows:
+                series[tuple(labels)] = series.get(tuple(labels), 0.0) + value
+        for name, rows in snap.get("histograms", {}).items():
+            series = histograms.setdefault(name, {})
+            for labels, row in rows:
+                have = series.get(tuple(labels))
+                series[tuple(labels)] = list(row) if have is None else [a + b for a, b in zip(have, row, strict=True)]
+    return {
+        "values": {n: [[list(k), v] for k, v in s.items()] for n, s in values.items()},
+        "histograms": {n: [[list(k), v] for k, v in s.items()] for n, s in histograms.items()},
+    }
+
+
+#: This process's metrics.
+local = Store()
+
+
+# -- what the runtime calls (stage processes) ------------------------------------------------------
+
+
+def stage_call(stage: str, status: str, seconds: float) -> None:
+    local.inc("omni_stage_calls_total", (stage, status))
+    local.observe("omni_stage_duration_seconds", (stage,), seconds)
+
+
+def stream_chunk(stage: str) -> None:
+    local.inc("omni_stream_chunks_total", (stage,))
+
+
+def relay_bytes(relay: str, src: str, dst: str, nbytes: int) -> None:
+    local.inc("omni_relay_bytes_total", (relay, src, dst), float(nbytes))
+
+
+# -- export from a stage process -------------------------------------------------------------------
+
+
+def metrics_dir(runtime_dir: str) -> str:
+    return os.path.join(runtime_dir, "metrics")
+
+
+class Exporter:
+    """Writes this process's metrics to ``<runtime_dir>/metrics/<process>.<pid>.json`` when they
+    changed, from a daemon thread; :meth:`close` writes a last time."""
+
+    def __init__(self, runtime_dir: str, process: str, *, store: Store = local, interval: float = EXPORT_INTERVAL):
+        self.folder = metrics_dir(runtime_dir)
+        self.path = os.path.join(self.folder, f"{process}.{os.getpid()}.json")
+        self.process = process
+        self.store = store
+        self.interval = interval
+        self._written = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="omni-metrics", daemon=True)
+
+    def start(self) -> Exporter:
+        with contextlib.suppress(OSError):
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        self.write()  # at once: a (re)started process is counted even before it serves
+        self._thread.start()
+        return self
+
+    def write(self) -> None:
+        version = self.store.version
+        if version == self._written:
+            return
+        data = {"process": self.process, "pid": os.getpid(), **self.store.snapshot()}
+        partial = f"{self.path}.partial"
+        try:
+            with open(partial, "w") as f:
+                json.dump(data, f)
+            os.replace(partial, self.path)
+        except OSError:  # the runtime dir is gone: the pipeline is stopping
+            return
+        self._written = version
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.write()
+
+    def close(self, *, remove: bool = False) -> None:
+        """Stop exporting: a last write, or with ``remove`` (nobody will read it) remove this
+        process's file, and the folder once it is empty."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(1.0)
+        if not remove:
+            self.write()
+            return
+        for path in (self.path, f"{self.path}.partial"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.folder)
+
+
+# -- reading them in the caller ----------------------------------------------------------------------
+
+
+def read_processes(runtime_dir: str | None) -> list[dict[str, Any]]:
+    """Every stage process's last export (a file that cannot be read yet is skipped)."""
+    if not runtime_dir:
+        return []
+    folder = metrics_dir(runtime_dir)
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if not entry.name.endswith(".json"):
+                continue
+            with contextlib.suppress(OSError, ValueError), open(entry.path) as f:
+                found.append(json.load(f))
+    return found
+
+
+def restarts(exports: list[dict[str, Any]]) -> dict[str, int]:
+    """Process name → restarts: every pid that exported beyond the first."""
+    pids: dict[str, set[int]] = {}
+    for export in exports:
+        pids.setdefault(export["process"], set()).add(export["pid"])
+    return {name: len(p) - 1 for name, p in pids.items()}
+
+
+def collect(pipeline: Any, *, caller: Store | None = None) -> dict[str, Any]:
+    """The pipeline's metrics over every process: the stage processes' exports (at most
+    :data:`EXPORT_INTERVAL` old), ``caller``'s counts (request metrics), and restarts."""
+    exports = read_processes(getattr(pipeline, "runtime_dir", None))
+    restart_counts = restarts(exports)
+    snap = merge([*exports, *([caller.snapshot()] if caller is not None else [])])
+    if restart_counts:
+        snap["values"]["omni_process_restarts_total"] = [[[name], float(n)] for name, n in sorted(restart_counts.items())]
+    return snap
+
+
+# -- the caller's side ---------------------------------------------------------------------------------
+
+
+class RequestMeter:
+    """Counts requests of one pipeline around ``submit``/``stream``: outcomes, latency, time to
+    first chunk and requests in flight. ``status`` of ``omni_requests_total`` is one of ``ok``,
+    ``error`` (a stage failed or a process died), ``overloaded``, ``timeout``, ``aborted``
+    (abort, client gone, pipeline stopped), ``unavailable`` (pipeline not running), ``invalid``
+    (bad inputs or request id)."""
+
+    def __init__(self, pipeline: Any, store: Store | None = None):
+        self.pipeline = pipeline
+        self.name = pipeline.config.name
+        self.store = store or Store()
+        self.in_flight = 0
+        self.store.values.setdefault("omni_requests_in_flight", {})[(self.name,)] = 0.0
+
+    def _gauge(self, delta: int) -> None:
+        self.in_flight += delta
+        self.store.values.setdefault("omni_requests_in_flight", {})[(self.name,)] = float(self.in_flight)
+        self.store.version += 1
+
+    def ended(self, status: str, seconds: float) -> None:
+        self.store.inc("omni_requests_total", (self.name, status))
+        self.store.observe("omni_request_duration_seconds", (self.name,), seconds)
+
+    def first_chunk(self, seconds: float) -> None:
+        self.store.observe("omni_time_to_first_chunk_seconds", (self.name,), seconds)
+
+    async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
+        start = time.perf_counter()
+        self._gauge(+1)
+        status = "error"
+        try:
+            result = await self.pipeline.submit(inputs, request_id=request_id)
+            status = "ok"
+            return result
+        except BaseException as exc:
+            status = outcome(exc)
+            raise
+        finally:
+            self._gauge(-1)
+            self.ended(status, time.perf_counter() - start)
+
+    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Any]:
+        start = time.perf_counter()
+        self._gauge(+1)
+        status = "aborted"  # left before the result: the caller stopped reading
+        first = True
+        try:
+            async for event in self.pipeline.stream(inputs, request_id=request_id):
+                if first and not event.is_result:
+                    first = False
+                    self.first_chunk(time.perf_counter() - start)
+                if event.is_result:
+                    status = "ok"
+                yield event
+        except BaseException as exc:
+            if status != "ok":  # closing the iterator after the result is no abort
+                status = outcome(exc)
+            raise
+        finally:
+            self._gauge(-1)
+            self.ended(status, time.perf_counter() - start)
+
+    def snapshot(self) -> dict[str, Any]:
+        return collect(self.pipeline, caller=self.store)
+
+    def prometheus_text(self) -> str:
+        return prometheus_text(self.snapshot())
+
+
+def outcome(exc: BaseException) -> str:
+    """The ``status`` label of a request that ended with ``exc``."""
+    from .errors import Overloaded, PipelineClosed, RequestAborted, RequestTimeout
+
+    if isinstance(exc, Overloaded):
+        return "overloaded"
+    if isinstance(exc, (RequestTimeout, asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(exc, (RequestAborted, asyncio.CancelledError, GeneratorExit)):
+        return "aborted"
+    if isinstance(exc, PipelineClosed):
+        return "unavailable"
+    if isinstance(exc, (ValueError, TypeError)):
+        return "invalid"
+    return "error"
+
+
+# -- Prometheus text ---------------------------------------------------------------------------------------
+
+
+def prometheus_text(snapshot: Mapping[str, Any]) -> str:
+    """The snapshot in Prometheus' text exposition format (through prometheus-client)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    values = snapshot.get("values", {})
+    histograms = snapshot.get("histograms", {})
+
+    class _Collector:
+        def collect(self):
+            for name, (kind, help_text, labelnames) in DEFINITIONS.items():
+                if kind == "histogram":
+                    family = HistogramMetricFamily(name, help_text, labels=labelnames)
+                    for labels, row in histograms.get(name, []):
+                        cumulative, buckets = 0.0, []
+                        for bound, count in zip((*BUCKETS, float("inf")), row[: len(BUCKETS) + 1], strict=True):
+                            cumulative += count
+                            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+                        family.add_metric(list(labels), buckets, row[-1])
+                else:
+                    metric_name = name.removesuffix("_total") if kind == "counter" else name
+                    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                        metric_name, help_text, labels=labelnames)
+                    for labels, value in values.get(name, []):
+                        family.add_metric(list(labels), value)
+                yield family
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry).decode()

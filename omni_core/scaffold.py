@@ -1,0 +1,117 @@
+"""``omni plugins new``: a complete plugin distribution rendered from the templates in
+``omni_core/templates/plugin`` (``common/`` plus one folder per kind) with :class:`string.Template`.
+
+Template files end in ``.tmpl``; ``__pkg__`` in a path becomes the package name. Placeholders:
+``$name`` (the plugin's name and namespace), ``$pkg`` (``omni_NAME``), ``$dist`` (``omni-NAME``),
+``$omni_min`` (the omni-core version the plugin declares as its minimum) and a few for the README.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from . import __version__
+from .errors import OmniError
+
+#: The kinds ``omni plugins new --kind`` knows, with what the generated plugin contributes.
+KINDS: dict[str, str] = {
+    "stage": "stages, a route and a merge function, and a pipeline that uses them",
+    "relay": "a relay built on omni_core.relay.kit, tested with the relay conformance kit",
+    "placement": "a placement strategy with an options schema, and a pipeline placed by it",
+}
+#: The hook a kind's plugin implements (for the README's ``omni plugins list --hook``).
+_HOOKS = {"stage": "stages", "relay": "relays", "placement": "placements"}
+#: What a kind's generated code imports besides omni-core.
+_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"], "placement": []}
+NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ScaffoldError(OmniError):
+    """The plugin cannot be generated: a bad name, an existing folder, an unknown kind."""
+
+
+def _layout(kind: str, name: str, pkg: str) -> str:
+    if kind == "placement":
+        return (f"- `{pkg}/plugin.py`: registers `{name}.round_robin` by dotted path with its options schema\n"
+                f"- `{pkg}/placement.py`: the strategy, a pure function of a PlacementRequest\n"
+                f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example`, placed by it\n"
+                "- `tests/`: the strategy on simulated GPUs, option checks, the pipeline in real processes")
+    if kind == "relay":
+        return (f"- `{pkg}/plugin.py`: registers the relay `{name}` by dotted path, with its "
+                "capabilities and options schema (planning never imports the relay)\n"
+                f"- `{pkg}/relay.py`: the relay, built on `omni_core.relay.kit`\n"
+                f"- `tests/`: the relay conformance kit against `{name}`, and a pipeline using it")
+    return (f"- `{pkg}/plugin.py`: the hooks: registers `{name}.*` names (stages by dotted path)\n"
+            f"- `{pkg}/stages.py`: the stage classes\n"
+            f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example`\n"
+            "- `tests/`: registration, functions, and the pipeline in real processes")
+
+
+def _values(name: str, kind: str) -> dict[str, str]:
+    pkg, dist = f"omni_{name}", f"omni-{name.replace('_', '-')}"
+    run = (f"$ omni run {name}.example --input '{{\"n\": 4}}'" if kind == "relay" else
+           f"$ omni run {name}.example --input '{{\"text\": \"hello omni\"}}'")
+    return {
+        "name": name,
+        "pkg": pkg,
+        "dist": dist,
+        "kind": kind,
+        "cls": "".join(part.title() for part in name.split("_")) + "Relay",
+        "kind_flag": "" if kind == "stage" else f" --kind {kind}",
+        "hook": _HOOKS[kind],
+        "omni_min": __version__,
+        "description": f"omni plugin {name!r}: {KINDS[kind]}.",
+        "run_example": run,
+        "layout": _layout(kind, name, pkg),
+        "dependencies": ", ".join(f'"{d}"' for d in [f"omni-core>={__version__}", *_DEPENDENCIES[kind]]),
+    }
+
+
+def _templates(kind: str):
+    root = resources.files("omni_core") / "templates" / "plugin"
+    for folder in ("common", kind):
+        yield from _walk(root / folder, "")
+
+
+def _walk(node, prefix: str):
+    for child in sorted(node.iterdir(), key=lambda c: c.name):
+        rel = f"{prefix}{child.name}"
+        if child.is_dir():
+            if child.name != "__pycache__":
+                yield from _walk(child, rel + "/")
+        elif child.name.endswith(".tmpl"):
+            yield rel.removesuffix(".tmpl"), child.read_text(encoding="utf-8")
+
+
+def check_name(name: str) -> None:
+    if not NAME.match(name) or keyword.iskeyword(name):
+        raise ScaffoldError(
+            f"invalid plugin name {name!r}: use lower-case letters, digits and '_', starting with a "
+            "letter (it becomes the package omni_NAME and the namespace of every name it registers)")
+
+
+def new_plugin(name: str, directory: str | Path = ".", kind: str = "stage") -> Path:
+    """Write the distribution ``omni-NAME/`` into ``directory``; returns its path."""
+    check_name(name)
+    if kind not in KINDS:
+        raise ScaffoldError(f"unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    values = _values(name, kind)
+    target = Path(directory) / values["dist"]
+    if target.exists():
+        raise ScaffoldError(f"{target} already exists; choose another --dir or remove it")
+    files = []
+    for rel, text in _templates(kind):
+        try:
+            rendered = Template(text).substitute(values)
+        except (KeyError, ValueError) as exc:  # a template bug, not the user's
+            raise RuntimeError(f"template {kind}/{rel}: {exc!r}") from exc
+        files.append((rel.replace("__pkg__", values["pkg"]), rendered))
+    for rel, text in files:
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return target

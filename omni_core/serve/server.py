@@ -1,0 +1,208 @@
+"""Running ``omni serve``: bind, start the pipeline, mount the APIs, serve, drain, stop.
+
+Order of events:
+
+1. the socket is bound and uvicorn answers at once (``/health`` 200, ``/ready`` 503 "starting");
+2. the pipeline starts (every stage process ready) and each API factory is called with it;
+3. ``/ready`` turns 200;
+4. on SIGTERM or SIGINT: ``/ready`` 503 and new requests 503 at once; requests in flight (streams
+   included) may finish for ``drain_timeout`` seconds; what is left then, or at a second signal,
+   is aborted; uvicorn closes the connections; the pipeline stops; the exit status is 0 unless
+   something could not be cleaned up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from typing import Any
+
+from ..errors import OmniError, PluginError
+from ..logs import get_logger
+from .app import CORE_PATHS, ApiContext, ServeSettings, ServeState, build_app
+
+#: Seconds uvicorn waits for open connections once the drain is over.
+CLOSE_CONNECTIONS_TIMEOUT = 5.0
+
+
+def api_names(settings: ServeSettings, config: Any) -> list[str]:
+    """The APIs to mount: the config's ``serve.apis`` then ``--api`` names, each once."""
+    return list(dict.fromkeys([*config.serve.apis, *settings.apis]))
+
+
+def resolve_apis(names: list[str]) -> list[tuple[str, Any]]:
+    """Each API name's factory; an unknown name is a PluginError listing the known ones."""
+    from ..plugins import get_registry
+
+    registry = get_registry()
+    return [(name, registry.get("api", name).load()) for name in names]
+
+
+def api_routes(name: str, factory: Any, api: ApiContext) -> list[Any]:
+    """Call an API factory and check what it returned."""
+    try:
+        made = factory(api)
+    except OmniError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"API {name!r}: its factory raised {type(exc).__name__}: {exc}") from exc
+    routes = getattr(made, "routes", made)
+    if routes is None or isinstance(routes, (str, bytes)) or not hasattr(routes, "__iter__"):
+        raise PluginError(f"API {name!r}: the factory must return a list of Starlette routes, a Router or an APIRouter, got {type(made).__name__}")
+    routes = list(routes)
+    taken = [getattr(r, "path", None) for r in routes if getattr(r, "path", None) in CORE_PATHS]
+    if taken:
+        raise PluginError(f"API {name!r} declares route(s) {taken} that omni serve's core routes own; choose other paths")
+    return routes
+
+
+class _Uvicorn:
+    """uvicorn's Server without its own signal handling (omni serve drains first)."""
+
+    def __new__(cls, config: Any):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+                pass
+
+        return Server(config)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OmniError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
+    """Serve ``config`` until a signal; returns the exit status. ``announce(url)`` is called once
+    the socket listens (the CLI prints it)."""
+    import uvicorn
+
+    from ..runtime.pipeline import Pipeline
+
+    log = get_logger(component="serve")
+    pipeline = Pipeline(config)
+    names = api_names(settings, pipeline.config)
+    factories = resolve_apis(names)
+    settings.apis = tuple(names)
+    state = ServeState(pipeline, settings)
+    app = build_app(state)
+    sock = bind(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    settings.port = port
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                               timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT, timeout_keep_alive=5)
+    server = _Uvicorn(uv_config)
+
+    loop = asyncio.get_running_loop()
+    signals = asyncio.Queue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    uv_task = loop.create_task(server.serve(sockets=[sock]))
+    status = 0
+    try:
+        while not server.started:
+            if uv_task.done():
+                uv_task.result()
+                raise OmniError("the HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        if announce is not None:
+            announce(url)
+        log.info("listening", url=url, pipeline=pipeline.config.name, apis=names)
+
+        start = loop.create_task(pipeline.start())
+        first_signal = loop.create_task(signals.get())
+        await asyncio.wait({start, first_signal}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # a signal while starting: give up starting, clean up
+            log.warning("signal during startup: stopping", signal=signal.Signals(first_signal.result()).name)
+            start.cancel()
+            with contextlib.suppress(BaseException):
+                await start
+            first_signal = None
+    except BaseException:
+        await _shutdown(server, uv_task, sock, pipeline, loop)
+        raise
+    if first_signal is None:
+        await _shutdown(server, uv_task, sock, pipeline, loop)
+        return 0
+    try:
+        first_signal.cancel()
+        start.result()  # StartupError → the CLI prints it
+        for name, factory in factories:
+            routes = api_routes(name, factory, ApiContext(name, pipeline, settings, dict(pipeline.config.serve.options.get(name, {})), state))
+            app.app.router.routes.extend(routes)
+        state.started = True
+        log.info("ready", url=url, pipeline=pipeline.config.name)
+
+        sig = await signals.get()
+        state.draining = True
+        log.warning("draining", signal=signal.Signals(sig).name, in_flight=len(state.active),
+                    drain_timeout=settings.drain_timeout)
+        idle = loop.create_task(state.idle.wait())
+        again = loop.create_task(signals.get())
+        done, _ = await asyncio.wait({idle, again}, timeout=settings.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
+        again.cancel()
+        if not state.idle.is_set():
+            why = "second signal" if again in done else f"drain timeout ({settings.drain_timeout:g} s)"
+            aborted = await state.abort_all()
+            log.warning("aborted requests still in flight", reason=why, aborted=aborted)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), 5.0)
+    finally:
+        await _shutdown(server, uv_task, sock, pipeline, loop)
+    left = leftovers(pipeline)
+    if left:
+        log.error("could not clean up", left=left)
+        status = 1
+    log.info("stopped", pipeline=pipeline.config.name)
+    return status
+
+
+async def _shutdown(server: Any, uv_task: asyncio.Task, sock: socket.socket, pipeline: Any, loop: Any) -> None:
+    """Close the HTTP side (open connections get CLOSE_CONNECTIONS_TIMEOUT), then stop the
+    pipeline and restore the signal handlers."""
+    server.should_exit = True
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(asyncio.shield(uv_task), CLOSE_CONNECTIONS_TIMEOUT + 2)
+    if not uv_task.done():
+        server.force_exit = True
+        with contextlib.suppress(BaseException):
+            await uv_task
+    with contextlib.suppress(OSError):
+        sock.close()
+    await pipeline.stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+
+
+def leftovers(pipeline: Any) -> list[str]:
+    """What a stopped pipeline left behind (empty when it cleaned up)."""
+    left = [f"process {name} (pid {h.pid})" for name, h in getattr(pipeline, "handles", {}).items() if h.exitcode is None]
+    if pipeline.runtime_dir and os.path.exists(pipeline.runtime_dir):
+        left.append(f"runtime dir {pipeline.runtime_dir}")
+    return left
+
+
+def run(config: Any, settings: ServeSettings, *, announce=None) -> int:
+    """Synchronous entry point (the CLI)."""
+    return asyncio.run(serve(config, settings, announce=announce))
+

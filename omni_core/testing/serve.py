@@ -1,0 +1,169 @@
+"""Test a pipeline or an API plugin behind a real ``omni serve`` process.
+
+::
+
+    from omni_core.testing.serve import ServerProcess
+
+    with ServerProcess("demo") as server:          # waits until /ready answers 200
+        r = httpx.post(f"{server.url}/v1/pipelines/demo/requests", json={"input": {...}})
+    assert server.returncode == 0                  # SIGTERM, drained, stopped
+    server.assert_nothing_left()                   # no process, runtime dir, socket or shm segment
+
+The server listens on 127.0.0.1 on a free port (``--port 0``; the port is read from its first
+line). Its log lines are kept in :attr:`ServerProcess.lines`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from .leaks import processes_with_env, runtime_dirs, shm_segments
+
+_URL = re.compile(r"omni serve: .* on (http://127\.0\.0\.1:\d+)")
+
+
+class ServerProcess:
+    """``omni serve CONFIG --port 0 ...`` as a subprocess, with its whole process tree tracked
+    (an environment marker) so a test can check nothing outlives it."""
+
+    def __init__(self, config: str, *args: str, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                 ready_timeout: float = 90.0):
+        self.config = config
+        self.args = list(args)
+        self.marker = f"OMNI_TEST_SERVER={secrets.token_hex(8)}"
+        self.env = {**os.environ, **(env or {})}
+        key, value = self.marker.split("=")
+        self.env[key] = value
+        self.env.setdefault("OMNI_LOG_FORMAT", "json")
+        self.cwd = cwd
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.lines: list[str] = []
+        self._url_found = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, *, wait_ready: bool = True) -> ServerProcess:
+        cmd = [sys.executable, "-c", "from omni_core.cli import main; main()", "serve", self.config,
+               "--host", "127.0.0.1", "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.ready_timeout
+        while not self._url_found.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._reader.join(2)
+                raise RuntimeError(f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output())
+        if wait_ready:
+            self.wait_ready(deadline)
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if self.url is None and (m := _URL.search(line)):
+                self.url = m.group(1)
+                self._url_found.set()
+
+    def wait_ready(self, deadline: float | None = None) -> None:
+        """Poll ``/ready`` until it answers 200."""
+        import httpx
+
+        deadline = deadline or time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omni serve exited with {self.proc.returncode}:\n" + self.output())
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("omni serve was not ready in time:\n" + self.output())
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self._reader is not None:
+                self._reader.join(5)
+        return code
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait; kill (and fail) if it does not exit within ``timeout``."""
+        if self.proc is None:
+            return 0
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.wait(10)
+            raise AssertionError(f"omni serve did not exit within {timeout:g} s of SIGTERM:\n" + self.output()) from None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- leaks ---------------------------------------------------------------------------------
+
+    def leftovers(self) -> list[str]:
+        left = [f"process {pid}" for pid in processes_with_env(self.marker)]
+        if self.proc is not None:
+            left += [f"runtime dir {d}" for d in runtime_dirs(self.proc.pid)]
+            left += [f"shm segment {s}" for s in shm_segments(self.proc.pid)]
+        return left
+
+    def assert_nothing_left(self, wait: float = 5.0) -> None:
+        """No process of the server's tree, runtime dir (ipc socket files live there) or /dev/shm
+        segment of its runs is left."""
+        deadline = time.monotonic() + wait
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not self.leftovers(), f"omni serve left behind: {self.leftovers()}"
+
+
+def sse_events(lines: Sequence[str]) -> list[tuple[str | None, str]]:
+    """``(event, data)`` pairs of a text/event-stream body given as lines."""
+    events, name, data = [], None, []
+    for line in lines:
+        if not line:
+            if data:
+                events.append((name, "\n".join(data)))
+            name, data = None, []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+    if data:
+        events.append((name, "\n".join(data)))
+    return events
+
+
+__all__ = ["ServerProcess", "sse_events"]

@@ -1,0 +1,62 @@
+"""``omni serve`` when a stage process dies: a restart is counted in ``/metrics`` and the server
+serves again; past the restart budget the pipeline stops, ``/health`` and every request answer 503,
+and the server still stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve_http import metric
+
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+HERE = Path(__file__).parent
+CONFIG = str(HERE / "configs" / "serve" / "restarting.yaml")
+REQUESTS = "/v1/pipelines/restarting/requests"
+ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def until(predicate, deadline: float = 30.0) -> bool:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def pid_of(client: httpx.Client, process: str) -> int:
+    return client.get("/v1/pipelines").json()["pipelines"][0]["processes"][process]
+
+
+def test_a_restart_is_counted_then_a_second_death_stops_the_pipeline_and_the_server_says_so():
+    server = ServerProcess(CONFIG, env=ENV).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert client.post(REQUESTS, json={"input": {"text": "before"}}).status_code == 200
+            first = pid_of(client, "words")
+            os.kill(first, signal.SIGKILL)
+            # restart: on-failure (max 1): a new process, counted, and the server is ready again.
+            assert until(lambda: pid_of(client, "words") not in (first, None) and client.get("/ready").status_code == 200)
+            assert until(lambda: metric(client.get("/metrics").text, "omni_process_restarts_total", process="words") == 1)
+            assert metric(client.get("/metrics").text, "omni_process_restarts_total", process="shout") == 0
+            r = client.post(REQUESTS, json={"input": {"text": "after restart"}})
+            assert r.status_code == 200 and r.json()["result"]["text"] == "AFTER RESTART"
+
+            os.kill(pid_of(client, "words"), signal.SIGKILL)  # past max_restarts: the pipeline stops
+            assert until(lambda: client.get("/health").status_code == 503)
+            assert client.get("/ready").status_code == 503
+            r = client.post(REQUESTS, json={"input": {"text": "too late"}})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "PipelineUnavailable"
+            assert "died" in r.json()["error"]["message"]
+    finally:
+        code = server.stop()
+    assert code == 0, server.output()
+    server.assert_nothing_left()
