@@ -405,7 +405,6 @@ def test_json_configs_are_parsed_as_json(work):
 def test_plan_and_validate_import_no_torch_for_a_cpu_plan(work):
     write(work / "cfg", "cpu.yaml", """
         name: cpu
-        relay: inline
         stages:
           - {name: a, factory: "tstages:Produce", next: b}
           - {name: b, factory: "tstages:Produce", terminal: true}
