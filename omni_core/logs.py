@@ -75,6 +75,24 @@ def _stderr_logger(*_: object) -> _StderrLogger:
     return _StderrLogger()
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is at the time of writing (a test runner swaps and closes it; a
+    stream captured at configuration time would then be written to after it was closed)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stdlib handler writing to the current ``sys.stderr`` (see :class:`_Stderr`)."""
+
+    def __init__(self) -> None:
+        super().__init__(_Stderr())
+
+
 def configure_logging(level: str | int | None = None, *, json: bool | None = None, force: bool = False) -> None:
     """Configure structlog and the stdlib root logger (idempotent unless ``force``).
 
@@ -108,7 +126,9 @@ def configure_logging(level: str | int | None = None, *, json: bool | None = Non
         logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s", force=force)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=force)
     _configured = True
 
 
