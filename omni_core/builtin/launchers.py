@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from ..options import choice
+from ..options import Option, choice
 from ..plugins import hookimpl
 
 LOCAL_OPTIONS = {
     "start_method": choice(("forkserver", "spawn"), "forkserver",
                            "forkserver (torch preloaded once, fast starts) or spawn; never fork"),
+    "preload": Option("str_list", None,
+                      "more modules for the forkserver to import once (e.g. [transformers]), so stage "
+                      "processes start without importing them"),
 }
 
 
