@@ -23,7 +23,7 @@ class PlanFormat(str, enum.Enum):
 
 @app.command()
 def plan(
-    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name.")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name.")],
     gpus: Annotated[
         int | None,
         typer.Option("--gpus", min=0, metavar="N",

@@ -13,7 +13,7 @@ from . import app, err
 @app.command()
 def serve(
     ctx: typer.Context,
-    config: Annotated[str, typer.Argument(help="A YAML/TOML file or a registered pipeline name (e.g. demo).")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name (e.g. demo).")],
     host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The port to listen on (0: any free port, printed at start).")] = 8000,
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,
