@@ -24,8 +24,9 @@ from omni_core.runtime.channel import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def _refused(sock: zmq.Socket, timeout: float = 20.0) -> int:
-    monitor = sock.get_monitor_socket()
+def _refused(sock: zmq.Socket, monitor: zmq.Socket, timeout: float = 20.0) -> int:
+    """The first handshake failure the monitor (attached before ``sock`` connected, so no event
+    is missed) reports for ``sock``."""
     failed = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
     try:
@@ -59,14 +60,16 @@ def test_a_run_key_holder_is_heard_and_a_stranger_is_refused(tmp_path):
         stranger.setsockopt(zmq.LINGER, 0)
         public, secret = zmq.curve_keypair()
         stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = keys.server_public, public, secret
+        stranger_events = stranger.get_monitor_socket()
         stranger.connect(address)
         stranger.send(wire.encode(wire.Shutdown()), zmq.NOBLOCK)
         plain = ctx.socket(zmq.PUSH)
         plain.setsockopt(zmq.LINGER, 0)
+        plain_events = plain.get_monitor_socket()
         plain.connect(address)
         plain.send(wire.encode(wire.Shutdown()), zmq.NOBLOCK)
-        await asyncio.to_thread(_refused, stranger)
-        await asyncio.to_thread(_refused, plain)
+        await asyncio.to_thread(_refused, stranger, stranger_events)
+        await asyncio.to_thread(_refused, plain, plain_events)
         await outbox.send(address, wire.Bye("insider"))
         deadline = time.monotonic() + 20
         while not got and time.monotonic() < deadline:
