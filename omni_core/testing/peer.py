@@ -71,6 +71,7 @@ class PeerState:
 
 # -- the control plane's tcp transport ------------------------------------------------------------
 
+
 class TcpWire:
     """A CurveZMQ tcp inbox on ``host`` (bound by the control plane's ``bind_inbox``, a port chosen
     by binding) and PUSH sockets to other wires' addresses, all under one run's ``keys``. A message
@@ -79,10 +80,9 @@ class TcpWire:
 
     def __init__(self, keys: Any, host: str):
         import zmq
+        from zmq.utils.garbage import gc
 
         from ..runtime.channel import adopt_inbox, bind_inbox
-
-        from zmq.utils.garbage import gc
 
         if not gc.is_alive():  # pyzmq's thread for zero-copy sends, once per process: start it now
             gc.start()
@@ -94,7 +94,9 @@ class TcpWire:
         self.early: dict[bytes, list[Any]] = {}
         self._lock = threading.Lock()
 
-    def send(self, address: str, token: bytes, handle: bytes, frames: Sequence[Any], timeout: float = 30) -> None:
+    def send(
+        self, address: str, token: bytes, handle: bytes, frames: Sequence[Any], timeout: float = 30
+    ) -> None:
         import zmq
 
         from ..runtime.channel import connect, trust
@@ -124,7 +126,9 @@ class TcpWire:
                 if left <= 0 or not self.inbox.poll(int(left * 1000) + 1, zmq.POLLIN):
                     if token in self.early:
                         break
-                    raise TimeoutError(f"nothing arrived for {token!r} at {self.address} within {timeout:g} s")
+                    raise TimeoutError(
+                        f"nothing arrived for {token!r} at {self.address} within {timeout:g} s"
+                    )
                 parts = self.inbox.recv_multipart(copy=False)
                 self.early[bytes(parts[0].buffer)] = parts[1:]
             handle, *frames = self.early.pop(token)
@@ -144,7 +148,10 @@ class TcpWire:
 
 # -- commands (run in the peer) -----------------------------------------------------------------
 
-async def get_records(state: PeerState, handle: bytes, frames: Sequence[bytearray], release: bool = True):
+
+async def get_records(
+    state: PeerState, handle: bytes, frames: Sequence[bytearray], release: bool = True
+):
     """Get a transfer; return its tensors as records plus whether each was contiguous. Without
     ``release`` the tensors stay held (credits stay taken) until :func:`release`."""
     tensors = await state.relay.get(handle, list(frames))
@@ -194,8 +201,15 @@ async def get_from_wire(state: PeerState, token: bytes, release: bool = True, ti
     return await get_records(state, handle, frames, release)
 
 
-async def put_seeded_to_wire(state: PeerState, request_id: int, target: str, seed: int, shapes: list,
-                             address: str, token: bytes) -> None:
+async def put_seeded_to_wire(
+    state: PeerState,
+    request_id: int,
+    target: str,
+    seed: int,
+    shapes: list,
+    address: str,
+    token: bytes,
+) -> None:
     """:func:`put_seeded`, the transfer sent over the peer's wire to ``address`` with ``token``."""
     gen = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(tuple(s), generator=gen) for s in shapes]
@@ -209,6 +223,7 @@ def seeded_records(seed: int, shapes: list) -> list:
 
 
 # -- the peer process ---------------------------------------------------------------------------
+
 
 def _peer_main(conn, relay_ref, ctx: RelayContext) -> None:
     torch.set_num_threads(1)
@@ -248,10 +263,15 @@ class RelayPeer:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, relay: type[Relay] | str, ctx: RelayContext, *, timeout: float = 60) -> RelayPeer:
+    def start(
+        cls, relay: type[Relay] | str, ctx: RelayContext, *, timeout: float = 60
+    ) -> RelayPeer:
         parent, child = multiprocessing.get_context("spawn").Pipe()
         proc = multiprocessing.get_context("spawn").Process(
-            target=_peer_main, args=(child, relay, ctx), name=f"relay-peer-{ctx.process}", daemon=True
+            target=_peer_main,
+            args=(child, relay, ctx),
+            name=f"relay-peer-{ctx.process}",
+            daemon=True,
         )
         proc.start()
         child.close()
@@ -262,8 +282,10 @@ class RelayPeer:
     def _reply(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             alive = self.process.is_alive()
-            raise PeerError(f"relay peer pid {self.process.pid} did not answer in {timeout} s "
-                            f"({'alive' if alive else f'exit code {self.process.exitcode}'})")
+            raise PeerError(
+                f"relay peer pid {self.process.pid} did not answer in {timeout} s "
+                f"({'alive' if alive else f'exit code {self.process.exitcode}'})"
+            )
         try:
             ok, value = self._conn.recv()
         except EOFError:
@@ -279,7 +301,9 @@ class RelayPeer:
             return self._reply(timeout)
 
     async def acall(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.call(fn, *args, timeout=timeout))
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.call(fn, *args, timeout=timeout)
+        )
 
     @property
     def node(self) -> str:

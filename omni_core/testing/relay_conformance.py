@@ -46,8 +46,17 @@ from .peer import RelayPeer, TcpWire, resolve_relay, tensor_record
 SENDER, RECEIVER = "sender", "receiver"
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
 ]
 
 
@@ -100,7 +109,9 @@ def assert_arrived(sent: list[torch.Tensor], records: list) -> None:
     assert len(records) == len(sent), f"{len(records)} tensors arrived, {len(sent)} were put"
     for i, (tensor, (dtype, shape, raw, contiguous)) in enumerate(zip(sent, records, strict=True)):
         want = tensor_record(tensor)
-        assert (dtype, tuple(shape)) == want[:2], f"tensor {i}: {dtype}{shape} arrived, {want[:2]} put"
+        assert (dtype, tuple(shape)) == want[:2], (
+            f"tensor {i}: {dtype}{shape} arrived, {want[:2]} put"
+        )
         assert raw == want[2], f"tensor {i} ({dtype}{shape}): values differ"
         assert contiguous, f"tensor {i} arrived non-contiguous"
 
@@ -121,7 +132,9 @@ class PipeTransport:
         """The records of ``transfer`` once the peer got it (and released it, unless not)."""
         return await peer.acall(cmd.get_records, *_wire(transfer), release)
 
-    async def fetch(self, peer: Any, request_id: int, target: str, seed: int, shapes: list) -> tuple[bytes, list]:
+    async def fetch(
+        self, peer: Any, request_id: int, target: str, seed: int, shapes: list
+    ) -> tuple[bytes, list]:
         """``(handle, frames)`` of :func:`~omni_core.testing.peer.put_seeded` in the peer."""
         return await peer.acall(cmd.put_seeded, request_id, target, seed, shapes)
 
@@ -142,7 +155,9 @@ class TcpTransport(PipeTransport):
         self._tokens = iter(range(1, 1 << 62))
 
     def attach(self, peer: Any) -> None:
-        self.addresses[id(peer)] = peer.call(cmd.open_wire, self.keys, getattr(peer, "ip", "127.0.0.1"))
+        self.addresses[id(peer)] = peer.call(
+            cmd.open_wire, self.keys, getattr(peer, "ip", "127.0.0.1")
+        )
 
     def token(self) -> bytes:
         return next(self._tokens).to_bytes(8, "little")
@@ -152,9 +167,13 @@ class TcpTransport(PipeTransport):
         self.wire.send(self.addresses[id(peer)], token, transfer.handle, list(transfer.frames))
         return await peer.acall(cmd.get_from_wire, token, release)
 
-    async def fetch(self, peer: Any, request_id: int, target: str, seed: int, shapes: list) -> tuple[bytes, list]:
+    async def fetch(
+        self, peer: Any, request_id: int, target: str, seed: int, shapes: list
+    ) -> tuple[bytes, list]:
         token = self.token()
-        await peer.acall(cmd.put_seeded_to_wire, request_id, target, seed, shapes, self.wire.address, token)
+        await peer.acall(
+            cmd.put_seeded_to_wire, request_id, target, seed, shapes, self.wire.address, token
+        )
         return await asyncio.to_thread(self.wire.receive, token)
 
     def close(self) -> None:
@@ -206,7 +225,9 @@ class RelayConformance:
         return RelayPeer.start(cls.relay_ref(), ctx)
 
     @classmethod
-    def start_peer(cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport) -> Any:
+    def start_peer(
+        cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport
+    ) -> Any:
         peer = cls.spawn_peer(cls.context(run_id, process, runtime_dir))
         try:
             transport.attach(peer)
@@ -265,8 +286,15 @@ class RelayConformance:
             pytest.skip(f"{self.relay_ref()} declares no credits (put never waits)")
         return self.credits
 
-    async def send(self, sender: Relay, receiver: RelayPeer, tensors, request_id: int = 1,
-                   release: bool = True, target: str = RECEIVER):
+    async def send(
+        self,
+        sender: Relay,
+        receiver: RelayPeer,
+        tensors,
+        request_id: int = 1,
+        release: bool = True,
+        target: str = RECEIVER,
+    ):
         """Put ``tensors``, get them in the receiver; the records that arrived and the handle."""
         transfer = await sender.put(request_id, tensors, target)
         records = await receiver.transport.deliver(receiver, transfer, release)
@@ -278,7 +306,9 @@ class RelayConformance:
         handles = []
         for i in range(self.needs_credits()):
             if i < got:
-                _, handle = await self.send(sender, receiver, [sample(torch.float32)], request_id, False)
+                _, handle = await self.send(
+                    sender, receiver, [sample(torch.float32)], request_id, False
+                )
             else:
                 handle, _ = _wire(await sender.put(request_id, [sample(torch.float32)], RECEIVER))
             handles.append(handle)
@@ -290,7 +320,9 @@ class RelayConformance:
             await sender.put(999, [sample(torch.float32)], target)
         elapsed = time.monotonic() - started
         assert elapsed <= self.put_timeout + 3, f"put took {elapsed:.1f} s to give up"
-        assert target in str(info.value), f"the timeout error does not name the target: {info.value}"
+        assert target in str(info.value), (
+            f"the timeout error does not name the target: {info.value}"
+        )
         return str(info.value)
 
     # -- values ---------------------------------------------------------------------------------
@@ -302,8 +334,13 @@ class RelayConformance:
         assert_arrived(tensors, records)
 
     def test_empty_and_zero_dim_tensors_round_trip(self, sender, receiver):
-        tensors = [torch.empty(0), torch.empty(3, 0, 2, dtype=torch.int64), torch.tensor(7.5),
-                   torch.tensor(True), torch.ones(1, dtype=torch.float16)]
+        tensors = [
+            torch.empty(0),
+            torch.empty(3, 0, 2, dtype=torch.int64),
+            torch.tensor(7.5),
+            torch.tensor(True),
+            torch.ones(1, dtype=torch.float16),
+        ]
         records, _ = self.run(self.send(sender, receiver, tensors))
         assert_arrived(tensors, records)
         records, _ = self.run(self.send(sender, receiver, []))
@@ -311,8 +348,13 @@ class RelayConformance:
 
     def test_non_contiguous_tensors_arrive_contiguous_with_their_values(self, sender, receiver):
         base = sample(torch.float32, (6, 8))
-        tensors = [base.t(), base[::2, 1::3], sample(torch.int16, (4,)).expand(3, 4),
-                   sample(torch.complex64, (4, 4))[:, 1], torch.arange(24).view(2, 3, 4).permute(2, 0, 1)]
+        tensors = [
+            base.t(),
+            base[::2, 1::3],
+            sample(torch.int16, (4,)).expand(3, 4),
+            sample(torch.complex64, (4, 4))[:, 1],
+            torch.arange(24).view(2, 3, 4).permute(2, 0, 1),
+        ]
         assert not any(t.is_contiguous() for t in tensors)
         records, _ = self.run(self.send(sender, receiver, tensors))
         assert_arrived(tensors, records)
@@ -356,7 +398,9 @@ class RelayConformance:
     def test_release_and_cleanup_are_idempotent(self, sender, receiver):
         async def go():
             for rid in range(3):
-                records, handle = await self.send(sender, receiver, [sample(torch.int32)], rid, False)
+                records, handle = await self.send(
+                    sender, receiver, [sample(torch.int32)], rid, False
+                )
                 await receiver.acall(cmd.release, handle)
                 await receiver.acall(cmd.release, handle)
                 await receiver.acall(cmd.cleanup, rid)
@@ -437,6 +481,7 @@ class RelayConformance:
     def test_dead_receiver_never_hangs_the_sender(self, run_id, runtime_dir, transport, sender):
         doomed = self.start_peer("doomed", run_id, runtime_dir, transport)
         try:
+
             async def before_death():
                 if self.credits is None:
                     await self.send(sender, doomed, [sample(torch.float32)], 1, False, "doomed")
@@ -451,12 +496,16 @@ class RelayConformance:
 
             async def after_death():
                 if self.credits is None:
-                    await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout + 3)
+                    await asyncio.wait_for(
+                        sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout + 3
+                    )
                     return
                 await self.assert_put_times_out(sender, "doomed")
                 for rid in range(self.credits):
                     sender.cleanup(rid)
-                await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout)
+                await asyncio.wait_for(
+                    sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout
+                )
 
             self.run(after_death())
         finally:
@@ -510,11 +559,17 @@ class CrossNodeRelayConformance(RelayConformance):
         return frozenset(resolve_relay(ref).capabilities.scopes)
 
     @classmethod
-    def start_peer(cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport) -> Any:
+    def start_peer(
+        cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport
+    ) -> Any:
         if "cluster" not in cls.declared_scopes():
-            pytest.skip(f"relay {cls.relay_ref()!r} does not declare the 'cluster' scope: it never crosses nodes")
+            pytest.skip(
+                f"relay {cls.relay_ref()!r} does not declare the 'cluster' scope: it never crosses nodes"
+            )
         peer = super().start_peer(process, run_id, runtime_dir, transport)
         if peer.node == cls.this_node():
             peer.kill()
-            raise AssertionError(f"peer {process!r} runs on the test process's node {peer.node}: not across nodes")
+            raise AssertionError(
+                f"peer {process!r} runs on the test process's node {peer.node}: not across nodes"
+            )
         return peer

@@ -49,8 +49,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: Sequence[str] = NODES, *, head_resources: dict[str, float] | None = None,
-                  head_cpus: int = 2, node_cpus: int = 4, namespace: str = "omni-test") -> Iterator[Any]:
+def local_cluster(
+    nodes: Sequence[str] = NODES,
+    *,
+    head_resources: dict[str, float] | None = None,
+    head_cpus: int = 2,
+    node_cpus: int = 4,
+    namespace: str = "omni-test",
+) -> Iterator[Any]:
     """A head and one worker node per name in ``nodes`` (custom resource ``{name: 4}``) on this
     machine, the calling process connected as the driver; ``cluster.node_ids`` maps ``head`` and
     every name to its Ray node id. Small on purpose: logical CPUs, 100 MiB object stores. Shut
@@ -58,9 +64,16 @@ def local_cluster(nodes: Sequence[str] = NODES, *, head_resources: dict[str, flo
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "resources": {"head": 4, **(head_resources or {})}, "object_store_memory": STORE,
-        "include_dashboard": True, "dashboard_port": free_port()})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "resources": {"head": 4, **(head_resources or {})},
+            "object_store_memory": STORE,
+            "include_dashboard": True,
+            "dashboard_port": free_port(),
+        },
+    )
     try:
         for name in nodes:
             cluster.add_node(num_cpus=node_cpus, resources={name: 4}, object_store_memory=STORE)
@@ -110,6 +123,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = 
 
 # -- a relay peer in a Ray actor -------------------------------------------------------------------
 
+
 class PeerActor:
     """The body of a peer actor: the relay and an event loop, running commands like
     :class:`omni_core.testing.peer.RelayPeer`'s process."""
@@ -128,8 +142,11 @@ class PeerActor:
     def where(self) -> dict[str, Any]:
         import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def call(self, fn: Callable[..., Any], args: tuple) -> Any:
         import inspect
@@ -166,12 +183,16 @@ class RayRelayPeer:
         import ray
 
         remote = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)(PeerActor)
-        actor = remote.options(resources={resource: 0.01}, name=f"relay-peer:{ctx.run_id}:{ctx.process}").remote(relay, ctx)
+        actor = remote.options(
+            resources={resource: 0.01}, name=f"relay-peer:{ctx.run_id}:{ctx.process}"
+        ).remote(relay, ctx)
         try:
             where = ray.get(actor.where.remote(), timeout=timeout)
         except Exception as exc:
             ray.kill(actor, no_restart=True)
-            raise PeerError(f"relay peer {ctx.process!r} did not start on the node with {resource!r}: {exc}") from None
+            raise PeerError(
+                f"relay peer {ctx.process!r} did not start on the node with {resource!r}: {exc}"
+            ) from None
         return cls(actor, where, resource)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any:
@@ -185,7 +206,9 @@ class RayRelayPeer:
             raise PeerError(f"relay peer died: {exc}") from None
 
     async def acall(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.call(fn, *args, timeout=timeout))
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.call(fn, *args, timeout=timeout)
+        )
 
     def alive(self) -> bool:
         import ray
@@ -221,6 +244,7 @@ class RayRelayPeer:
 
 # -- the conformance kit across nodes ----------------------------------------------------------------
 
+
 class RayCrossNodeConformance(CrossNodeRelayConformance):
     """The conformance kit across Ray nodes (see the module docstring). ``node_resources``: the
     custom resources of the receiver's node and of the ``doomed`` peer's node (two nodes other
@@ -255,7 +279,9 @@ class RayCrossNodeConformance(CrossNodeRelayConformance):
     @classmethod
     def spawn_peer(cls, ctx: Any) -> RayRelayPeer:
         receiver, doomed = cls.node_resources
-        return RayRelayPeer.start(cls.relay_ref(), ctx, receiver if ctx.process == "receiver" else doomed)
+        return RayRelayPeer.start(
+            cls.relay_ref(), ctx, receiver if ctx.process == "receiver" else doomed
+        )
 
     @classmethod
     def sweep_after_crash(cls, peer: RayRelayPeer, run_id: str) -> None:

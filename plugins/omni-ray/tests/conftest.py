@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+
 from omni_ray.testing import NODES, live_actors, local_cluster, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))

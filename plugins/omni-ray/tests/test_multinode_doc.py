@@ -26,6 +26,7 @@ import tempfile
 import uuid
 
 import pytest
+
 from omni_ray.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -35,7 +36,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def section(title_start: str) -> str:
     """The text of the page's ``## <title_start>...`` section."""
-    text = open(PAGE, encoding="utf-8").read()
+    with open(PAGE, encoding="utf-8") as f:
+        text = f.read()
     parts = re.split(r"^## ", text, flags=re.M)
     found = [p for p in parts if p.startswith(title_start)]
     assert found, f"docs/multinode.md has no section '## {title_start}...'"
@@ -56,7 +58,9 @@ def can_unshare() -> bool:
     unshare = shutil.which("unshare")
     if unshare is None:
         return False
-    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    probe = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+    )
     return probe.returncode == 0
 
 
@@ -66,10 +70,9 @@ def marked_pids(marker: str) -> list[int]:
     needle = marker.encode()
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle in f.read():
-                        found.append(int(pid))
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(pid))
     return found
 
 
@@ -81,13 +84,17 @@ def kill_marked(marker: str) -> list[int]:
     return pids
 
 
-def script(install: str, start: list[str], demo: list[str], stop: bool, ports: dict[str, int]) -> str:
+def script(
+    install: str, start: list[str], demo: list[str], stop: bool, ports: dict[str, int]
+) -> str:
     lines = ["set -euo pipefail", "set -x"]
     lines += [line for line in commands(install) if not line.startswith("pip install")]
     for line in start:
         if line.startswith("ray start --head"):
-            line += (f" --dashboard-port {ports['dashboard']} --ray-client-server-port {ports['client']}"
-                     f" --dashboard-agent-listen-port {ports['agent_head']}")
+            line += (
+                f" --dashboard-port {ports['dashboard']} --ray-client-server-port {ports['client']}"
+                f" --dashboard-agent-listen-port {ports['agent_head']}"
+            )
         elif line.startswith("ray start --address"):
             line += f" --dashboard-agent-listen-port {ports['agent_b']}"
         lines.append(line.replace("6379", str(ports["gcs"])).replace("<ip of A>", "127.0.0.1"))
@@ -98,33 +105,53 @@ def script(install: str, start: list[str], demo: list[str], stop: bool, ports: d
 
 
 def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path):
-    install, start, demo = (bash_blocks(section(t)) for t in ("1. Install", "2. Start a cluster", "3. Run the demo"))
+    install, start, demo = (
+        bash_blocks(section(t)) for t in ("1. Install", "2. Start a cluster", "3. Run the demo")
+    )
     assert len(install) == len(start) == len(demo) == 1, "each of sections 1-3 has one bash block"
     start_cmds = commands(start[0])
-    assert [c.split(" --")[0] for c in start_cmds] == ["ray start", "ray start", "ray status"], start_cmds
+    assert [c.split(" --")[0] for c in start_cmds] == ["ray start", "ray start", "ray status"], (
+        start_cmds
+    )
     demo_cmds = commands(demo[0])
-    assert any(c.startswith("omni plan ") for c in demo_cmds) and any(c.startswith("omni run ") for c in demo_cmds)
+    assert any(c.startswith("omni plan ") for c in demo_cmds) and any(
+        c.startswith("omni run ") for c in demo_cmds
+    )
     assert "`ray stop`" in section("2. Start a cluster")
 
     namespaced = can_unshare()
     ports = {k: free_port() for k in ("gcs", "dashboard", "client", "agent_head", "agent_b")}
     marker = f"OMNI_DOC_TEST_{uuid.uuid4().hex}"
     work = tempfile.mkdtemp(prefix="omr", dir="/tmp")  # short: Ray's unix sockets live under it
-    os.symlink(os.path.join(ROOT, "plugins"), os.path.join(work, "plugins"))  # the page's relative paths
+    os.symlink(
+        os.path.join(ROOT, "plugins"), os.path.join(work, "plugins")
+    )  # the page's relative paths
     os.makedirs(os.path.join(work, "tmp"))
     body = script(install[0], start_cmds, demo_cmds, namespaced, ports)
     with open(os.path.join(work, "page.sh"), "w") as f:
         f.write(body)
-    env = {**os.environ, marker: "1", "RAY_TMPDIR": os.path.join(work, "tmp"), "TMPDIR": os.path.join(work, "tmp"),
-           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        **os.environ,
+        marker: "1",
+        "RAY_TMPDIR": os.path.join(work, "tmp"),
+        "TMPDIR": os.path.join(work, "tmp"),
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     for key in ("RAY_ADDRESS", "PYTHONPATH"):
         env.pop(key, None)
     argv = ["bash", "page.sh"]
     if namespaced:
         argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
-    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=540)
     except subprocess.TimeoutExpired:
@@ -142,7 +169,11 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
     assert not left, f"processes of the page's cluster outlived it: {left}\n{tail}"
     plugins = out.split("+ omni plugins list", 1)[1].split("\n+ ", 1)[0]
     ray_part = plugins.split("omni-ray:", 1)[-1]
-    assert "omni-ray:" in plugins and re.search(r"launcher +ray", ray_part) and re.search(r"placement +ray", ray_part), plugins
+    assert (
+        "omni-ray:" in plugins
+        and re.search(r"launcher +ray", ray_part)
+        and re.search(r"placement +ray", ray_part)
+    ), plugins
     status = out.split("+ ray status", 1)[1]
     assert "node_a" in status and "node_b" in status, tail
     plan = out.split("+ omni plan ", 1)[1].split("\n+ omni run", 1)[0]
@@ -151,6 +182,9 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
     assert "wav_path" in run or "text" in run, tail
     if namespaced:
         after = out.split("STOPPED", 1)[1]
-        survivors = [line for line in after.splitlines()
-                     if re.match(r"\s*\d+ ", line) and "page.sh" not in line and "ps -eo" not in line]
+        survivors = [
+            line
+            for line in after.splitlines()
+            if re.match(r"\s*\d+ ", line) and "page.sh" not in line and "ps -eo" not in line
+        ]
         assert not survivors, f"'ray stop' left processes running: {survivors}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from omni_core.plugins import get_registry
+
 from omni_ray.testing import RayCrossNodeConformance
 
 pytestmark = pytest.mark.usefixtures("cluster")
@@ -14,7 +15,11 @@ pytestmark = pytest.mark.usefixtures("cluster")
 
 def cross_node_relays() -> list[str]:
     """Registered relays whose declared capabilities include the ``cluster`` scope."""
-    return sorted(e.name for e in get_registry().entries("relay") if e.capabilities is not None and "cluster" in e.capabilities.scopes)
+    return sorted(
+        e.name
+        for e in get_registry().entries("relay")
+        if e.capabilities is not None and "cluster" in e.capabilities.scopes
+    )
 
 
 class AcrossNodes(RayCrossNodeConformance):
@@ -29,7 +34,9 @@ class AcrossNodes(RayCrossNodeConformance):
 
 
 for _name in cross_node_relays():
-    _cls = type(f"Test{_name.title().replace('_', '')}AcrossNodes", (AcrossNodes,), {"relay_name": _name})
+    _cls = type(
+        f"Test{_name.title().replace('_', '')}AcrossNodes", (AcrossNodes,), {"relay_name": _name}
+    )
     globals()[_cls.__name__] = _cls
 
 
