@@ -286,6 +286,9 @@ class RayCrossNodeConformance(CrossNodeRelayConformance):
     @classmethod
     def sweep_after_crash(cls, peer: RayRelayPeer, run_id: str) -> None:
         import ray
+        from omni_core.relay.base import Relay
 
+        if resolve_relay(cls.relay_ref()).sweep.__func__ is Relay.sweep.__func__:
+            return  # nothing to sweep: spare the node a worker process
         task = ray.remote(num_cpus=0)(_sweep).options(resources={peer.resource: 0.01})
         ray.get(task.remote(cls.relay_ref(), run_id), timeout=60)

@@ -177,9 +177,10 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
     status = out.split("+ ray status", 1)[1]
     assert "node_a" in status and "node_b" in status, tail
     plan = out.split("+ omni plan ", 1)[1].split("\n+ omni run", 1)[0]
-    assert "machine-a" in plan and "machine-b" in plan, plan
-    run = out.split("+ omni run ", 1)[1]
-    assert "wav_path" in run or "text" in run, tail
+    assert re.search(r"speech +machine-b", plan) and re.search(r"thinker +machine-a", plan), plan
+    assert re.search(r"thinker +talker +stream +inline +yes", plan), plan
+    run = out.split("+ omni run ", 1)[1].split("\n+ ray stop", 1)[0]
+    assert '"thinker": {"text": ' in run and '"vocoder": {"wav_path": ' in run, tail
     if namespaced:
         after = out.split("STOPPED", 1)[1]
         survivors = [
