@@ -152,6 +152,7 @@ class TcpTransport(PipeTransport):
         self.keys = CurveKeys.generate()
         self.wire = TcpWire(self.keys, host)
         self.addresses: dict[int, str] = {}
+        self.nodes: dict[str, str] = {}  # peer process -> its node
         self._tokens = iter(range(1, 1 << 62))
 
     def attach(self, peer: Any) -> None:
@@ -567,9 +568,12 @@ class CrossNodeRelayConformance(RelayConformance):
                 f"relay {cls.relay_ref()!r} does not declare the 'cluster' scope: it never crosses nodes"
             )
         peer = super().start_peer(process, run_id, runtime_dir, transport)
-        if peer.node == cls.this_node():
+        taken = {cls.this_node(): "the test process"}
+        taken.update({n: p for p, n in transport.nodes.items() if p != process})
+        if peer.node in taken:
             peer.kill()
             raise AssertionError(
-                f"peer {process!r} runs on the test process's node {peer.node}: not across nodes"
+                f"peer {process!r} runs on the node of {taken[peer.node]} ({peer.node}): not across nodes"
             )
+        transport.nodes[process] = peer.node
         return peer
