@@ -18,9 +18,15 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           text_joiner: " "            # put between two pieces
           result_text_field: text     # result[text_stage][result_text_field]: the whole text
           audio_stage: vocoder        # whose chunks carry audio (null: the pipeline has none)
-          audio_field: pcm16          # chunk[audio_field]: mono little-endian 16-bit PCM bytes
-          sample_rate: 24000
+          audio_field: pcm16          # chunk[audio_field]: mono audio, PCM16 bytes or float samples
+          sample_rate: 24000          # of that audio, unless the chunk says (sample_rate_field)
+          sample_rate_field: sample_rate  # chunk[sample_rate_field], when present, is its rate
           voices: null                # accepted voice names (null: any)
+          voice_key: null             # the voice goes to inputs[voice_key] (null: not passed on)
+
+Audio in a chunk is either mono little-endian 16-bit PCM (``bytes``) or samples: a 1-D torch
+tensor, numpy array or list, float in [-1, 1] (any float dtype, bfloat16 included: clipped, scaled
+by 32767 and rounded half to even, as omni-transformers writes its WAV files) or int16 (as is).
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 codes of ``omni serve`` (400, 404, 429 + Retry-After, 500, 503, 504).
@@ -51,7 +57,9 @@ DEFAULTS: dict[str, Any] = {
     "audio_stage": None,
     "audio_field": "pcm16",
     "sample_rate": 24000,
+    "sample_rate_field": "sample_rate",
     "voices": None,
+    "voice_key": None,
 }
 
 AUDIO_FORMATS = ("wav", "pcm16")
@@ -133,6 +141,8 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         if opts["voices"] is not None and voice not in opts["voices"]:
             raise BadRequest(f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice")
     inputs = {**opts["inputs"], **(opts["audio_inputs"] if want_audio else opts["text_inputs"]), opts["prompt_key"]: prompt}
+    if want_audio and opts["voice_key"] is not None:
+        inputs[opts["voice_key"]] = voice
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -140,6 +150,47 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         if opts["max_tokens_key"] is not None:
             inputs[opts["max_tokens_key"]] = limit
     return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt}
+
+
+def pcm16(audio: Any) -> bytes | None:
+    """Mono audio as little-endian 16-bit PCM bytes; None when ``audio`` is not audio (a string,
+    a mapping, None ...).
+
+    - bytes, bytearray, memoryview: PCM16 already, returned as bytes (an odd length is an error);
+    - a torch tensor or numpy array, 1-D (or ``[1, N]`` / ``[N, 1]``): int16 as is; any float dtype
+      (bfloat16 and float16 widened to float32, exactly): NaN → 0, clipped to [-1, 1], × 32767,
+      rounded half to even, in float32 (float64 stays float64);
+    - a list or tuple: float samples, as a float32 array.
+    """
+    import numpy as np
+
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        data = bytes(audio)
+        if len(data) % 2:
+            raise ValueError(f"PCM16 audio needs an even number of bytes, got {len(data)}")
+        return data
+    if hasattr(audio, "detach") and hasattr(audio, "is_floating_point"):  # a torch tensor
+        tensor = audio.detach().cpu()
+        array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+    elif isinstance(audio, np.ndarray):
+        array = audio
+    elif isinstance(audio, (list, tuple)):
+        array = np.asarray(audio, dtype=np.float32)
+    else:
+        return None
+    if array.ndim != 1:
+        if array.ndim == 2 and 1 in array.shape:
+            array = array.reshape(-1)
+        else:
+            raise ValueError(f"audio must be mono (1-D samples), got shape {list(array.shape)}")
+    if array.dtype.kind == "i" and array.dtype.itemsize == 2:  # int16, either byte order
+        return array.astype("<i2", copy=False).tobytes()
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"audio samples must be float in [-1, 1] or int16, got {array.dtype}")
+    if array.dtype.itemsize < 4:
+        array = array.astype(np.float32)
+    array = np.clip(np.nan_to_num(array, nan=0.0), -1.0, 1.0) * array.dtype.type(32767)
+    return np.rint(array).astype("<i2").tobytes()
 
 
 def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
@@ -189,10 +240,13 @@ def make_routes(api: Any) -> list[Any]:
         return chunk if isinstance(chunk, str) else None
 
     def audio_of(chunk: Any) -> bytes | None:
-        if isinstance(chunk, Mapping):
-            value = chunk.get(opts["audio_field"])
-            return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+        if isinstance(chunk, Mapping) and opts["audio_field"] in chunk:
+            return pcm16(chunk[opts["audio_field"]])
         return None
+
+    def rate_of(chunk: Any) -> int:
+        rate = chunk.get(opts["sample_rate_field"]) if isinstance(chunk, Mapping) and opts["sample_rate_field"] else None
+        return int(rate) if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else opts["sample_rate"]
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]})
@@ -213,15 +267,17 @@ def make_routes(api: Any) -> list[Any]:
             return await _streamed(request, rid, req, events)
         pieces: list[str] = []
         pcm = bytearray()
+        rates: list[int] = []
 
         async def collect():
             async for event in events:
                 if event.is_result:
                     return event.data
-                if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
                     pieces.append(piece)
                 elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
                     pcm.extend(data)
+                    rates.append(rate_of(event.data))
             return None
 
         try:
@@ -236,9 +292,13 @@ def make_routes(api: Any) -> list[Any]:
         text = _final_text(result, opts, pieces)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if req["audio"]:
-            data = wav_bytes(bytes(pcm), opts["sample_rate"]) if req["format"] == "wav" else bytes(pcm)
+            rate = rates[0] if rates else opts["sample_rate"]
+            if any(r != rate for r in rates):
+                return error(500, f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
+                                  f"({sorted(set(rates))}); one response holds one rate", code="AudioError")
+            data = wav_bytes(bytes(pcm), rate) if req["format"] == "wav" else bytes(pcm)
             message["audio"] = {"id": f"audio-{rid}", "data": base64.b64encode(data).decode(), "transcript": text,
-                                "expires_at": int(time.time()) + 3600}
+                                "expires_at": int(time.time()) + 3600, "sample_rate": rate}
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
@@ -274,15 +334,16 @@ def make_routes(api: Any) -> list[Any]:
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while event is not None and not event.is_result:
-                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
                         text = piece if pieces == 0 else opts["text_joiner"] + piece
                         pieces += 1
                         delta: dict[str, Any] = {"content": text}
                         if req["audio"]:
                             delta["audio"] = {"id": audio_id, "transcript": text}
                         yield chunk(delta)
-                    elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
-                        yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": ""}})
+                    elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)):
+                        yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": "",
+                                               "sample_rate": rate_of(event.data)}})
                     try:
                         event = await events.__anext__()
                     except StopAsyncIteration:
