@@ -64,12 +64,20 @@ DEFAULTS: dict[str, Any] = {
 
 AUDIO_FORMATS = ("wav", "pcm16")
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
 
@@ -78,30 +86,53 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     """The adapter's options with defaults; unknown keys are an error naming the known ones."""
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}")
+        raise ValueError(
+            f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}"
+        )
     opts = {**DEFAULTS, **options}
     terminals = list(pipeline_config.terminal_stages)
     if opts["text_stage"] is None:
         opts["text_stage"] = terminals[0]
     for key in ("text_stage", "audio_stage"):
         if opts[key] is not None and opts[key] not in pipeline_config.stage_names:
-            raise ValueError(f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
-                             f"(stages: {', '.join(pipeline_config.stage_names)})")
+            raise ValueError(
+                f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
+                f"(stages: {', '.join(pipeline_config.stage_names)})"
+            )
+    rate = opts["sample_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        raise ValueError(f"serve.options.openai.sample_rate: a positive integer (Hz), got {rate!r}")
+    for key in ("voice_key", "sample_rate_field", "max_tokens_key"):
+        if opts[key] is not None and not isinstance(opts[key], str):
+            raise ValueError(f"serve.options.openai.{key}: a string or null, got {opts[key]!r}")
+    voices = opts["voices"]
+    if voices is not None and (
+        not isinstance(voices, list) or not all(isinstance(v, str) for v in voices)
+    ):
+        raise ValueError(
+            f"serve.options.openai.voices: a list of voice names or null, got {voices!r}"
+        )
     return opts
 
 
 def _prompt(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        raise BadRequest(
+            "'messages' must be a non-empty list of {role, content} objects", "messages"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
-            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
+            raise BadRequest(
+                f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]"
+            )
     users = [m for m in messages if m["role"] == "user"]
     if not users:
         raise BadRequest("'messages' needs at least one message with role 'user'", "messages")
     content = users[-1].get("content")
     if isinstance(content, list):  # content parts: keep the text ones
-        content = " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        content = " ".join(
+            p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+        )
     if not isinstance(content, str) or not content.strip():
         raise BadRequest("the last user message needs text content", "messages")
     return content
@@ -114,33 +145,56 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     if "model" not in body:
         raise BadRequest("'model' is required", "model")
     if body["model"] != model:
-        raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {model!r}", "model", 404, "model_not_found")
+        raise BadRequest(
+            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            "model",
+            404,
+            "model_not_found",
+        )
     prompt = _prompt(body.get("messages"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
     modalities = body.get("modalities") or ["text"]
-    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} or "text" not in modalities:
-        raise BadRequest("'modalities' must be [\"text\"] or [\"text\", \"audio\"]", "modalities")
+    if (
+        not isinstance(modalities, list)
+        or not set(modalities) <= {"text", "audio"}
+        or "text" not in modalities
+    ):
+        raise BadRequest('\'modalities\' must be ["text"] or ["text", "audio"]', "modalities")
     want_audio = "audio" in modalities
     audio = body.get("audio")
     fmt = None
     if want_audio:
         if opts["audio_stage"] is None:
-            raise BadRequest("this model has no audio output; ask for modalities [\"text\"]", "modalities")
+            raise BadRequest(
+                'this model has no audio output; ask for modalities ["text"]', "modalities"
+            )
         if not isinstance(audio, Mapping):
-            raise BadRequest("modalities with 'audio' need 'audio': {\"voice\": ..., \"format\": \"wav\" | \"pcm16\"}", "audio")
+            raise BadRequest(
+                'modalities with \'audio\' need \'audio\': {"voice": ..., "format": "wav" | "pcm16"}',
+                "audio",
+            )
         fmt = audio.get("format", "pcm16" if stream else "wav")
         if fmt not in AUDIO_FORMATS:
-            raise BadRequest(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}", "audio.format")
+            raise BadRequest(
+                f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}",
+                "audio.format",
+            )
         if stream and fmt != "pcm16":
             raise BadRequest("streamed audio must use audio.format 'pcm16'", "audio.format")
         voice = audio.get("voice")
         if not isinstance(voice, str) or not voice:
             raise BadRequest("audio.voice is required (a voice name)", "audio.voice")
         if opts["voices"] is not None and voice not in opts["voices"]:
-            raise BadRequest(f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice")
-    inputs = {**opts["inputs"], **(opts["audio_inputs"] if want_audio else opts["text_inputs"]), opts["prompt_key"]: prompt}
+            raise BadRequest(
+                f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice"
+            )
+    inputs = {
+        **opts["inputs"],
+        **(opts["audio_inputs"] if want_audio else opts["text_inputs"]),
+        opts["prompt_key"]: prompt,
+    }
     if want_audio and opts["voice_key"] is not None:
         inputs[opts["voice_key"]] = voice
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -221,16 +275,33 @@ def make_routes(api: Any) -> list[Any]:
     opts = adapter_options(api.options, api.pipeline.config)
     created = int(time.time())
 
-    def error(status: int, message: str, *, param: str | None = None, code: str | None = None,
-              headers: dict[str, str] | None = None) -> JSONResponse:
-        body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+    def error(
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
+        body = {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "server_error"),
+                "param": param,
+                "code": code,
+            }
+        }
         return JSONResponse(body, status_code=status, headers=headers)
 
     def from_exception(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
         err = describe(exc)
         where = f" (stage {err.stage!r})" if err.stage else ""
-        body = {"message": f"{err.type}{where}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
-                "param": None, "code": err.type}
+        body = {
+            "message": f"{err.type}{where}: {err.message}",
+            "type": _ERROR_TYPES.get(err.status, "server_error"),
+            "param": None,
+            "code": err.type,
+        }
         return err.status, body, err.headers
 
     def text_of(chunk: Any) -> str | None:
@@ -245,11 +316,24 @@ def make_routes(api: Any) -> list[Any]:
         return None
 
     def rate_of(chunk: Any) -> int:
-        rate = chunk.get(opts["sample_rate_field"]) if isinstance(chunk, Mapping) and opts["sample_rate_field"] else None
-        return int(rate) if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else opts["sample_rate"]
+        rate = (
+            chunk.get(opts["sample_rate_field"])
+            if isinstance(chunk, Mapping) and opts["sample_rate_field"]
+            else None
+        )
+        return (
+            int(rate)
+            if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0
+            else opts["sample_rate"]
+        )
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}],
+            }
+        )
 
     async def chat_completions(request):
         try:
@@ -275,7 +359,11 @@ def make_routes(api: Any) -> list[Any]:
                     return event.data
                 if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
                     pieces.append(piece)
-                elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
+                elif (
+                    req["audio"]
+                    and event.stage == opts["audio_stage"]
+                    and (data := audio_of(event.data)) is not None
+                ):
                     pcm.extend(data)
                     rates.append(rate_of(event.data))
             return None
@@ -294,23 +382,50 @@ def make_routes(api: Any) -> list[Any]:
         if req["audio"]:
             rate = rates[0] if rates else opts["sample_rate"]
             if any(r != rate for r in rates):
-                return error(500, f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
-                                  f"({sorted(set(rates))}); one response holds one rate", code="AudioError")
+                return error(
+                    500,
+                    f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
+                    f"({sorted(set(rates))}); one response holds one rate",
+                    code="AudioError",
+                )
             data = wav_bytes(bytes(pcm), rate) if req["format"] == "wav" else bytes(pcm)
-            message["audio"] = {"id": f"audio-{rid}", "data": base64.b64encode(data).decode(), "transcript": text,
-                                "expires_at": int(time.time()) + 3600, "sample_rate": rate}
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": len(pieces), "total_tokens": len(pieces)},
-        })
+            message["audio"] = {
+                "id": f"audio-{rid}",
+                "data": base64.b64encode(data).decode(),
+                "transcript": text,
+                "expires_at": int(time.time()) + 3600,
+                "sample_rate": rate,
+            }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": 0,
+                    "completion_tokens": len(pieces),
+                    "total_tokens": len(pieces),
+                },
+            }
+        )
 
     async def _streamed(request, rid, req, events):
         now = int(time.time())
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-            data = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": now,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                ],
+            }
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
         # The first event (or the error that prevents it) before the response starts, so
@@ -341,9 +456,21 @@ def make_routes(api: Any) -> list[Any]:
                         if req["audio"]:
                             delta["audio"] = {"id": audio_id, "transcript": text}
                         yield chunk(delta)
-                    elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)):
-                        yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": "",
-                                               "sample_rate": rate_of(event.data)}})
+                    elif (
+                        req["audio"]
+                        and event.stage == opts["audio_stage"]
+                        and (data := audio_of(event.data))
+                    ):
+                        yield chunk(
+                            {
+                                "audio": {
+                                    "id": audio_id,
+                                    "data": base64.b64encode(data).decode(),
+                                    "transcript": "",
+                                    "sample_rate": rate_of(event.data),
+                                }
+                            }
+                        )
                     try:
                         event = await events.__anext__()
                     except StopAsyncIteration:

@@ -22,7 +22,14 @@ from omni_core import load_config
 
 def reference(samples: torch.Tensor) -> bytes:
     """How omni-transformers quantises its waveform for its WAV files."""
-    return (samples.float().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+    return (
+        (samples.float().clamp(-1, 1) * 32767)
+        .round()
+        .to(torch.int16)
+        .numpy()
+        .astype("<i2")
+        .tobytes()
+    )
 
 
 def as_ints(data: bytes) -> list[int]:
@@ -30,9 +37,36 @@ def as_ints(data: bytes) -> list[int]:
 
 
 def test_float_samples_are_clipped_scaled_and_rounded():
-    samples = [0.0, 1.0, -1.0, 1.5, -7.0, 0.5, -0.5, 1 / 32767, 0.5 / 32767, 1.5 / 32767, float("inf"),
-               float("-inf"), float("nan")]
-    assert as_ints(pcm16(samples)) == [0, 32767, -32767, 32767, -32767, 16384, -16384, 1, 0, 2, 32767, -32767, 0]
+    samples = [
+        0.0,
+        1.0,
+        -1.0,
+        1.5,
+        -7.0,
+        0.5,
+        -0.5,
+        1 / 32767,
+        0.5 / 32767,
+        1.5 / 32767,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ]
+    assert as_ints(pcm16(samples)) == [
+        0,
+        32767,
+        -32767,
+        32767,
+        -32767,
+        16384,
+        -16384,
+        1,
+        0,
+        2,
+        32767,
+        -32767,
+        0,
+    ]
     # never -32768: the scale is symmetric
     assert min(as_ints(pcm16(torch.full((4,), -2.0)))) == -32767
 
@@ -52,7 +86,9 @@ def test_every_float_dtype(dtype):
     out = pcm16(samples)
     assert len(out) == 2 * 4096
     if dtype is torch.float64:  # computed in float64: equal to the float64 quantisation
-        want = (samples.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+        want = (
+            (samples.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+        )
     else:  # widened to float32 exactly first
         want = reference(samples)
     assert out == want
@@ -67,7 +103,13 @@ def test_the_bytes_are_little_endian():
 
 
 def test_empty_chunks_are_empty_pcm():
-    for empty in (torch.zeros(0), torch.zeros(0, dtype=torch.bfloat16), np.zeros(0, np.float32), [], b""):
+    for empty in (
+        torch.zeros(0),
+        torch.zeros(0, dtype=torch.bfloat16),
+        np.zeros(0, np.float32),
+        [],
+        b"",
+    ):
         assert pcm16(empty) == b""
     assert wav_bytes(pcm16([]), 24000)[:4] == b"RIFF"
 
@@ -75,9 +117,16 @@ def test_empty_chunks_are_empty_pcm():
 def test_int16_and_bytes_pass_through_and_mono_shapes_are_flattened():
     ints = torch.tensor([-32768, -1, 0, 1, 32767], dtype=torch.int16)
     assert pcm16(ints) == ints.numpy().tobytes() and pcm16(ints.numpy()) == pcm16(ints)
-    assert pcm16(b"\x01\x02\x03\x04") == b"\x01\x02\x03\x04" and pcm16(bytearray(b"\x00\x00")) == b"\x00\x00"
+    assert (
+        pcm16(b"\x01\x02\x03\x04") == b"\x01\x02\x03\x04"
+        and pcm16(bytearray(b"\x00\x00")) == b"\x00\x00"
+    )
     assert pcm16(memoryview(b"\x05\x06")) == b"\x05\x06"
-    assert pcm16(torch.tensor([[0.5, -0.5]])) == pcm16(torch.tensor([[0.5], [-0.5]])) == pcm16([0.5, -0.5])
+    assert (
+        pcm16(torch.tensor([[0.5, -0.5]]))
+        == pcm16(torch.tensor([[0.5], [-0.5]]))
+        == pcm16([0.5, -0.5])
+    )
     # a tensor that needs grad, or a non-contiguous view
     assert pcm16(torch.tensor([0.25, 0.5], requires_grad=True)) == pcm16([0.25, 0.5])
     assert pcm16(torch.tensor([0.25, 9.0, 0.5])[::2]) == pcm16([0.25, 0.5])
@@ -97,9 +146,29 @@ def test_what_is_not_audio_or_not_mono():
 def test_voice_key_and_the_sample_rate_field_are_adapter_options():
     cfg = load_config("demo")
     assert DEFAULTS["voice_key"] is None and DEFAULTS["sample_rate_field"] == "sample_rate"
-    opts = adapter_options({**cfg.serve.options["openai"], "voice_key": "speaker", "voices": ["Chelsie"]}, cfg)
-    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
-            "audio": {"voice": "Chelsie", "format": "wav"}}
+    opts = adapter_options(
+        {**cfg.serve.options["openai"], "voice_key": "speaker", "voices": ["Chelsie"]}, cfg
+    )
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "Chelsie", "format": "wav"},
+    }
     assert parse_request(body, "demo", opts)["inputs"]["speaker"] == "Chelsie"
-    text_only = parse_request({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts)
+    text_only = parse_request(
+        {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts
+    )
     assert "speaker" not in text_only["inputs"]
+
+
+def test_the_new_options_are_checked():
+    cfg = load_config("demo")
+    for bad, match in (
+        ({"sample_rate": 0}, "sample_rate"),
+        ({"sample_rate": "24k"}, "sample_rate"),
+        ({"voice_key": 3}, "voice_key"),
+        ({"voices": "Chelsie"}, "voices"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            adapter_options(bad, cfg)

@@ -36,15 +36,24 @@ class ConsoleServer(ServerProcess):
         omni = shutil.which("omni")
         assert omni, "the omni console script is not installed"
         cmd = [omni, "serve", self.config, "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + self.ready_timeout
         while not self._url_found.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self._reader.join(2)
-                raise RuntimeError(f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output())
+                raise RuntimeError(
+                    f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output()
+                )
         if wait_ready:
             self.wait_ready(deadline)
         return self
@@ -58,8 +67,15 @@ def quantised(audio: torch.Tensor) -> bytes:
 @pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen2_5_omni.split"])
 def server(request, tiny_model, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("serve")
-    srv = ConsoleServer(request.param, env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)}, cwd=str(cwd),
-                        ready_timeout=300).start()
+    # The config's serve block mounts the API; an --api naming it again mounts it once.
+    args = ("--api", "openai") if request.param.endswith(".split") else ()
+    srv = ConsoleServer(
+        request.param,
+        *args,
+        env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
+        cwd=str(cwd),
+        ready_timeout=300,
+    ).start()
     try:
         yield srv
     finally:
@@ -79,7 +95,11 @@ def native(server):
             inputs = {"wav_path": None, "text": PROMPT, "max_new_tokens": MAX_TOKENS}
             if speaker is not None:
                 inputs["speaker"] = speaker
-            r = httpx.post(f"{server.url}/v1/pipelines/{server.config}/requests", json={"input": inputs}, timeout=600)
+            r = httpx.post(
+                f"{server.url}/v1/pipelines/{server.config}/requests",
+                json={"input": inputs},
+                timeout=600,
+            )
             assert r.status_code == 200, r.text
             result = from_jsonable(r.json()["result"], "result")
             assert result["sample_rate"] == SAMPLE_RATE and result["audio"].dtype == torch.float32
@@ -92,7 +112,9 @@ def native(server):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as c:
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600
+    ) as c:
         yield c
 
 
@@ -105,8 +127,13 @@ def test_the_pipeline_is_the_model(client, server):
 
 
 def test_a_completion_with_wav_audio_equals_the_pipeline(client, server, native):
-    done = client.chat.completions.create(model=server.config, messages=messages(), max_tokens=MAX_TOKENS,
-                                          modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+    done = client.chat.completions.create(
+        model=server.config,
+        messages=messages(),
+        max_tokens=MAX_TOKENS,
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"},
+    )
     want = native("Chelsie")
     message = done.choices[0].message
     assert message.content == want["text"] and message.audio.transcript == want["text"]
@@ -115,10 +142,17 @@ def test_a_completion_with_wav_audio_equals_the_pipeline(client, server, native)
         assert wav.readframes(wav.getnframes()) == quantised(want["audio"])
 
 
-def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipeline(client, server, native):
-    stream = client.chat.completions.create(model=server.config, messages=messages(), max_tokens=MAX_TOKENS,
-                                            stream=True, modalities=["text", "audio"],
-                                            audio={"voice": "Ethan", "format": "pcm16"})
+def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipeline(
+    client, server, native
+):
+    stream = client.chat.completions.create(
+        model=server.config,
+        messages=messages(),
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"},
+    )
     order, text, transcript, pcm, finish = [], [], [], bytearray(), []
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk" and chunk.model == server.config
@@ -135,35 +169,55 @@ def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipelin
         if chunk.choices[0].finish_reason:
             finish.append(chunk.choices[0].finish_reason)
     want = native("Ethan")
-    assert not torch.equal(want["audio"], native("Chelsie")["audio"])  # the voice reached the pipeline
+    # the voice reached the pipeline
+    assert not torch.equal(want["audio"], native("Chelsie")["audio"])
     assert "".join(text) == want["text"] and "".join(transcript) == want["text"]
     assert len(text) > 1, "the text came in one piece, not as deltas"
-    assert order == sorted(order, key=lambda kind: kind == "audio"), order  # every text delta before the audio
+    # every text delta before the audio
+    assert order == sorted(order, key=lambda kind: kind == "audio"), order
     assert bytes(pcm) == quantised(want["audio"])
     assert finish == ["stop"]
 
 
 def test_plain_http_pcm16_and_a_streamed_text_only_completion(server, native):
-    body = {"model": server.config, "messages": messages(), "max_tokens": MAX_TOKENS,
-            "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm16"}}
+    body = {
+        "model": server.config,
+        "messages": messages(),
+        "max_tokens": MAX_TOKENS,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "Chelsie", "format": "pcm16"},
+    }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     audio = r.json()["choices"][0]["message"]["audio"]
     assert base64.b64decode(audio["data"]) == quantised(native("Chelsie")["audio"])
     assert audio["sample_rate"] == SAMPLE_RATE
 
-    body = {"model": server.config, "messages": messages(), "max_tokens": MAX_TOKENS, "stream": True}
+    body = {
+        "model": server.config,
+        "messages": messages(),
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=600) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     deltas = [json.loads(d)["choices"][0]["delta"] for d in data[:-1]]
     assert all("audio" not in d for d in deltas)
-    assert "".join(d.get("content", "") for d in deltas) == native(None)["text"] == native("Chelsie")["text"]
+    assert (
+        "".join(d.get("content", "") for d in deltas)
+        == native(None)["text"]
+        == native("Chelsie")["text"]
+    )
 
 
 def test_voices_are_the_speakers(client, server):
     with pytest.raises(openai.BadRequestError, match="Chelsie, Ethan") as info:
-        client.chat.completions.create(model=server.config, messages=messages(), modalities=["text", "audio"],
-                                       audio={"voice": "alloy", "format": "wav"})
+        client.chat.completions.create(
+            model=server.config,
+            messages=messages(),
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
     assert info.value.body["param"] == "audio.voice"
