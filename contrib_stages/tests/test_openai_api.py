@@ -31,9 +31,14 @@ def samples_for(words: int) -> int:
 def server(tmp_path_factory):
     # No --api: the demo config's `serve: {apis: [openai]}` mounts it.
     # A loaded CI machine can take over a minute to start the demo's processes.
-    srv = ServerProcess(
-        "demo", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300
-    ).start()
+    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
+    try:
+        srv.start()
+    except (
+        BaseException
+    ):  # not ready in time: the server and its stage processes must not outlive the test
+        srv.stop()
+        raise
     try:
         yield srv
     finally:

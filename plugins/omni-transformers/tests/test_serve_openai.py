@@ -30,7 +30,8 @@ SAMPLE_RATE = 24000
 
 
 class ConsoleServer(ServerProcess):
-    """:class:`ServerProcess` started through the installed ``omni`` console script."""
+    """:class:`ServerProcess` started through the installed ``omni`` console script, and stopped
+    when it does not get ready."""
 
     def start(self, *, wait_ready: bool = True) -> ConsoleServer:
         omni = shutil.which("omni")
@@ -48,14 +49,18 @@ class ConsoleServer(ServerProcess):
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + self.ready_timeout
-        while not self._url_found.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self._reader.join(2)
-                raise RuntimeError(
-                    f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output()
-                )
-        if wait_ready:
-            self.wait_ready(deadline)
+        try:
+            while not self._url_found.wait(0.05):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self._reader.join(2)
+                    raise RuntimeError(
+                        f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output()
+                    )
+            if wait_ready:
+                self.wait_ready(deadline)
+        except BaseException:  # not ready in time: nothing of the server may outlive the test
+            self.stop(120)
+            raise
         return self
 
 
