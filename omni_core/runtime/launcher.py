@@ -121,6 +121,24 @@ def _ensure_forkserver(preload: list[str]) -> None:
     _forkserver_preload = wanted
 
 
+def prestart(launcher: str, options: Any) -> bool:
+    """Start the forkserver of a ``local`` launcher with these options now, in the background,
+    before the caller imports torch itself: the two imports then overlap instead of following
+    each other (the forkserver's is on the path of every stage process's start). Returns whether
+    it started one; any problem with the options is left for the launcher to report."""
+    if launcher not in ("local", "omni.local"):
+        return False
+    options = dict(options or {})
+    if options.get("start_method", "forkserver") != "forkserver":
+        return False
+    try:
+        preload = _preload_option(options.get("preload"))
+        _ensure_forkserver(preload)
+    except Exception:
+        return False
+    return True
+
+
 class LocalLauncher:
     """Stage processes on this machine: a forkserver that preloaded torch and omni (default), or
     plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork.
