@@ -227,7 +227,31 @@ def trim_traceback(text: str) -> str:
         if not (line.startswith("Traceback (most recent call last):")
                 and (k + 1 >= len(out) or not out[k + 1].startswith('  File "')))
     ]
-    return "\n".join(cleaned) + ("\n" if text.endswith("\n") else "")
+    return "\n".join(_drop_omni_wrappers(cleaned)) + ("\n" if text.endswith("\n") else "")
+
+
+_CHAIN_SEPARATORS = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+def _drop_omni_wrappers(lines: list[str]) -> list[str]:
+    """Drop a last chained block that is only omni's own error wrapping the user's (every frame
+    trimmed, its exception an ``omni_core`` class): the user's exception above says it all, and
+    the message the traceback goes with says the rest."""
+    for k in range(len(lines) - 1, -1, -1):
+        if lines[k] in _CHAIN_SEPARATORS:
+            block = lines[k + 1:]
+            frames = any(line.startswith('  File "') for line in block)
+            last = next((line for line in reversed(block) if line.strip()), "")
+            if not frames and last.startswith("omni_core."):
+                head = lines[:k]
+                while head and not head[-1].strip():
+                    head.pop()
+                return head
+            break
+    return lines
 
 
 def user_traceback(exc: BaseException) -> str:
