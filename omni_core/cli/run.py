@@ -144,6 +144,8 @@ async def _started(config: str, gpus: int | None):
         with _StartupLine(pipeline.config.name, total):
             await pipeline.start()
     except StartupError as exc:
+        if debug_enabled():
+            raise  # the child's whole traceback, omni's frames included
         from ..config import collect_issues
         from ..errors import ConfigError
 

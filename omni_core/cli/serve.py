@@ -55,6 +55,9 @@ def serve(
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     except OmniError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        from .report import describe_error
+
+        # A failed start: the stage by its config path, the stage code's frames only.
+        err.print(describe_error(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     raise typer.Exit(status)
