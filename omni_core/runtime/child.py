@@ -132,8 +132,9 @@ def own_session() -> None:
 
 
 def main(boot: Bootstrap) -> None:
-    """Entry point of a stage process (called by the launcher in the child)."""
-    own_session()
+    """Entry point of a stage process (called by the launcher in the child). The local
+    launcher calls :func:`own_session` first; a launcher whose processes some other system
+    manages (Ray's workers) leaves them where that system put them."""
     _watch_parent(boot.parent_pid)
     _apply_env(boot)
     configure_logging(force=True)
