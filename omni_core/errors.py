@@ -53,15 +53,37 @@ class PluginError(OmniError):
 
 
 class StartupError(OmniError):
-    """The pipeline could not start. ``process`` names the process that failed, when one did;
-    ``traceback`` carries the child's traceback text."""
+    """The pipeline could not start.
 
-    def __init__(self, message: str, *, process: str | None = None, traceback: str | None = None):
+    ``process`` names the process that failed, when one did; ``stage`` and ``path`` the stage it
+    was building and that stage's config path (``stages[1]``: its factory raised;
+    ``stages[1].factory``: it could not be imported; ``stages[1].args``: its arguments do not fit
+    the factory), when the process knew; ``detail`` is the child's own message and
+    ``traceback`` the child's traceback text. When several processes failed before the start was
+    abandoned, ``failures`` lists each one's error (this error is the first of them)."""
+
+    def __init__(self, message: str, *, process: str | None = None, traceback: str | None = None,
+                 stage: str | None = None, path: str | None = None, detail: str | None = None,
+                 failures: list[StartupError] | None = None):
         self.process = process
         self.traceback = traceback
+        self.stage = stage
+        self.path = path
+        self.detail = detail
         self.message = message
+        self.failures: list[StartupError] = list(failures) if failures else [self]
         text = message if not traceback else f"{message}\n\n--- traceback from {process} ---\n{traceback}"
         super().__init__(text)
+
+    @classmethod
+    def several(cls, failures: list[StartupError]) -> StartupError:
+        """One error for the processes that failed together (the first when only one did)."""
+        if len(failures) == 1:
+            return failures[0]
+        first = failures[0]
+        message = f"{len(failures)} processes failed to start: " + "; ".join(f.message for f in failures)
+        return cls(message, process=first.process, traceback=first.traceback, stage=first.stage, path=first.path,
+                   detail=first.detail, failures=failures)
 
 
 class RequestError(OmniError):
@@ -205,7 +227,31 @@ def trim_traceback(text: str) -> str:
         if not (line.startswith("Traceback (most recent call last):")
                 and (k + 1 >= len(out) or not out[k + 1].startswith('  File "')))
     ]
-    return "\n".join(cleaned) + ("\n" if text.endswith("\n") else "")
+    return "\n".join(_drop_omni_wrappers(cleaned)) + ("\n" if text.endswith("\n") else "")
+
+
+_CHAIN_SEPARATORS = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+def _drop_omni_wrappers(lines: list[str]) -> list[str]:
+    """Drop a last chained block that is only omni's own error wrapping the user's (every frame
+    trimmed, its exception an ``omni_core`` class): the user's exception above says it all, and
+    the message the traceback goes with says the rest."""
+    for k in range(len(lines) - 1, -1, -1):
+        if lines[k] in _CHAIN_SEPARATORS:
+            block = lines[k + 1:]
+            frames = any(line.startswith('  File "') for line in block)
+            last = next((line for line in reversed(block) if line.strip()), "")
+            if not frames and last.startswith("omni_core."):
+                head = lines[:k]
+                while head and not head[-1].strip():
+                    head.pop()
+                return head
+            break
+    return lines
 
 
 def user_traceback(exc: BaseException) -> str:

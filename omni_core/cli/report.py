@@ -104,20 +104,43 @@ def config_paths_by_index(text: str, cfg: Any) -> str:
 
 
 def describe_startup_failure(exc: StartupError, *, cfg: Any = None, plan: Any = None) -> str:
-    """A failed start: the process and the config path of its stages, the child's message,
-    and the child's traceback with omni's frames trimmed (none when only omni code was involved,
-    for example a config error the child found)."""
-    message = config_paths_by_index(getattr(exc, "message", None) or str(exc).split("\n\n--- traceback", 1)[0], cfg)
-    where = stage_paths(cfg, exc.process, plan)
-    lines = [f"error: {message}"]
-    if where:
-        lines.append(f"  in {', '.join(where)}")
+    """A failed start: for each process that failed, the config path of the stage it was
+    building (``stages[1]``: its factory raised; ``.factory``: it could not be imported;
+    ``.args``: its arguments do not fit) or of the stages it hosts, the child's message, and the
+    child's traceback with omni's frames trimmed (none when only omni code was involved, for
+    example a config error the child found)."""
+    failures = getattr(exc, "failures", None) or [exc]
+    if len(failures) == 1:
+        return "error: " + "\n".join(_startup_lines(failures[0], cfg, plan, indent="  "))
+    lines = [f"error: {len(failures)} processes failed to start:"]
+    for failure in failures:
+        first, *rest = _startup_lines(failure, cfg, plan, indent="      ")
+        lines += ["  - " + first, *rest]
+    return "\n".join(lines)
+
+
+def _startup_lines(exc: StartupError, cfg: Any, plan: Any, *, indent: str) -> list[str]:
+    stage, path, detail = getattr(exc, "stage", None), getattr(exc, "path", None), getattr(exc, "detail", None)
+    if stage and path and detail:
+        factory = ""
+        if cfg is not None:
+            found = next((s for s in cfg.stages if s.name == stage), None)
+            factory = f", factory {found.factory!r}" if found is not None else ""
+        hosted = f" in process {exc.process!r}" if exc.process and exc.process != stage else ""
+        lines = [f"{path}: stage {stage!r} ({factory.lstrip(', ')}) failed to start{hosted}: "
+                 f"{config_paths_by_index(detail, cfg)}".replace(" ()", "")]
+    else:
+        message = config_paths_by_index(getattr(exc, "message", None) or str(exc).split("\n\n--- traceback", 1)[0], cfg)
+        lines = [message]
+        where = stage_paths(cfg, exc.process, plan)
+        if where:
+            lines.append(f"{indent}in {', '.join(where)}")
     if exc.traceback:
         trimmed = trim_traceback(exc.traceback).rstrip()
         if has_user_frames(trimmed):
-            lines.append("  the stage's code raised (omni's frames trimmed; " + DEBUG_HINT + "):")
-            lines += ["    " + line for line in trimmed.splitlines()]
-    return "\n".join(lines)
+            lines.append(f"{indent}the stage's code raised (omni's frames trimmed; {DEBUG_HINT}):")
+            lines += [f"{indent}  {line}" for line in trimmed.splitlines()]
+    return lines
 
 
 def describe_stage_error(exc: StageError) -> str:

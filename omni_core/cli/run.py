@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import sys
 import time
@@ -16,23 +15,12 @@ from . import app, debug_enabled, err
 
 
 def to_jsonable(value: Any) -> Any:
-    """Results as JSON: tensors and arrays become nested lists, bytes become base64 text."""
-    import numpy as np
-    import torch
+    """Results and chunks as JSON, in the one encoding ``omni serve`` speaks too
+    (:mod:`omni_core.encoding`): a tensor or array is ``{"dtype", "shape", "data": base64}``,
+    bytes are ``{"base64": ...}``."""
+    from ..encoding import to_jsonable as encode
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().tolist()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"base64": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    return value
+    return encode(value)
 
 
 def _parse_input(text: str) -> Any:
@@ -119,12 +107,28 @@ class _StartupLine:
             err.file.flush()
 
 
+def prestart(config: str) -> None:
+    """Start the local launcher's forkserver (which imports torch for every stage process) before
+    this process imports torch too, so that the two overlap; a config that cannot be loaded is
+    left for the start to report."""
+    try:
+        from ..config import load_config
+        from ..runtime.launcher import prestart as start_forkserver
+
+        cfg = load_config(config)
+        start_forkserver(cfg.launcher.name, cfg.launcher.options)
+    except Exception:
+        pass
+
+
 async def _started(config: str, gpus: int | None):
     """A started Pipeline, with a progress line while it starts; a failed start is described
     with the config paths of the failing process's stages (and, if the factory's signature
     explains it, the config error ``omni validate`` would report)."""
     from ..errors import StartupError
-    from ..runtime.pipeline import Pipeline
+
+    prestart(config)
+    from ..runtime.pipeline import Pipeline  # imports torch
     from .report import describe_startup_failure
 
     pipeline = Pipeline(config, gpus=gpus)
@@ -140,6 +144,8 @@ async def _started(config: str, gpus: int | None):
         with _StartupLine(pipeline.config.name, total):
             await pipeline.start()
     except StartupError as exc:
+        if debug_enabled():
+            raise  # the child's whole traceback, omni's frames included
         from ..config import collect_issues
         from ..errors import ConfigError
 
@@ -211,7 +217,10 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                     gpus: int | None) -> _Batch:
     """Run every line (``(line number, text)``) with at most ``concurrency`` in flight (never more
     than ``limits.max_in_flight``); results are written as they finish, numbered by input line.
-    A Ctrl-C aborts what is in flight and returns what finished."""
+
+    A Ctrl-C (SIGINT: the stage processes, in sessions of their own, do not get it) starts no
+    further request and lets those in flight finish, for at most ``limits.stop_timeout``
+    seconds; a second Ctrl-C, or that deadline, aborts what is left. Returns what finished."""
     import signal
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -227,8 +236,16 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
     sem = asyncio.Semaphore(min(concurrency or DEFAULT_CONCURRENCY, limit))
     out = output.open("w") if output else sys.stdout
     loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
-    loop.add_signal_handler(signal.SIGINT, interrupted.set)
+    interrupts = 0
+    interrupted, aborted = asyncio.Event(), asyncio.Event()
+
+    def on_sigint() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        (interrupted if interrupts == 1 else aborted).set()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    in_flight: set[asyncio.Task] = set()
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console(), transient=False) as progress:
@@ -236,6 +253,9 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
 
             async def one(number: int, line: str) -> None:
                 async with sem:
+                    if interrupted.is_set():
+                        return  # interrupted while it waited for its turn: never sent
+                    in_flight.add(asyncio.current_task())
                     record: dict[str, Any] = {"line": number}
                     start = time.perf_counter()
                     try:
@@ -245,6 +265,8 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                     except (OmniError, json.JSONDecodeError) as exc:
                         batch.failures += 1
                         record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    finally:
+                        in_flight.discard(asyncio.current_task())
                     batch.done += 1
                     out.write(json.dumps(record) + "\n")
                     out.flush()
@@ -257,15 +279,29 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
             waiter.cancel()
             if interrupted.is_set() and not everything.done():
                 batch.interrupted = True
-                loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C stops at once
+                draining = [t for t in in_flight if not t.done()]
                 for t in tasks:
-                    t.cancel()
+                    if t not in in_flight:
+                        t.cancel()  # not sent yet: it never will be
+                if draining:
+                    drain = pipeline.config.limits.stop_timeout
+                    progress.console.print(
+                        f"interrupted: finishing {len(draining)} request{'s' if len(draining) != 1 else ''} in flight "
+                        f"(at most {drain:g} s, limits.stop_timeout); Ctrl-C again to abort them",
+                        markup=False, highlight=False)
+                    finished = asyncio.ensure_future(asyncio.wait(draining))
+                    second = asyncio.ensure_future(aborted.wait())
+                    await asyncio.wait([finished, second], timeout=drain, return_when=asyncio.FIRST_COMPLETED)
+                    second.cancel()
+                    finished.cancel()
+                    for t in draining:
+                        t.cancel()  # past the deadline or a second Ctrl-C: aborted
             await asyncio.gather(everything, return_exceptions=True)
             if not batch.interrupted:
                 everything.result()  # an unexpected error in the CLI itself: not swallowed
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-        await pipeline.stop(timeout=0 if batch.interrupted else None)
+        await pipeline.stop(timeout=0 if aborted.is_set() else None)
         if output:
             out.close()
     return batch

@@ -33,15 +33,17 @@ def serve(
     """
     from ..errors import ConfigError, OmniError
     from ..logs import configure_logging
+    from .importpath import add_config_import_paths
+    from .run import prestart
+
+    add_config_import_paths(config)  # factories beside the config, or in the working directory
+    prestart(config)  # the forkserver imports torch while this process does
     from ..serve.app import ServeSettings
     from ..serve.server import run
 
     parent = ctx.parent.params if ctx.parent is not None else {}
     if not parent.get("log_level") and not os.environ.get("OMNI_LOG_LEVEL"):
         configure_logging("INFO", force=True)  # the access log and lifecycle lines
-    from .importpath import add_config_import_paths
-
-    add_config_import_paths(config)  # factories beside the config, or in the working directory
     settings = ServeSettings(config=config, host=host, port=port, apis=tuple(api or ()), drain_timeout=drain_timeout)
 
     def announce(url: str) -> None:
@@ -53,6 +55,9 @@ def serve(
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     except OmniError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        from .report import describe_error
+
+        # A failed start: the stage by its config path, the stage code's frames only.
+        err.print(describe_error(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     raise typer.Exit(status)

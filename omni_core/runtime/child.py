@@ -123,8 +123,18 @@ def _apply_env(boot: Bootstrap) -> None:
     torch.set_num_threads(max(1, boot.process.threads))
 
 
+def own_session() -> None:
+    """Leave the caller's session and process group: a Ctrl-C in the caller's terminal (SIGINT
+    to the whole foreground group) reaches the caller alone, which drains and then stops its
+    stage processes; the parent watch still ends them when the caller dies."""
+    with contextlib.suppress(OSError):
+        os.setsid()  # fails only for a group leader, which a forked or spawned child is not
+
+
 def main(boot: Bootstrap) -> None:
-    """Entry point of a stage process (called by the launcher in the child)."""
+    """Entry point of a stage process (called by the launcher in the child). The local
+    launcher calls :func:`own_session` first; a launcher whose processes some other system
+    manages (Ray's workers) leaves them where that system put them."""
     _watch_parent(boot.parent_pid)
     _apply_env(boot)
     configure_logging(force=True)
@@ -133,11 +143,12 @@ def main(boot: Bootstrap) -> None:
 
     async def run() -> None:
         heart.watch(asyncio.get_running_loop())
+        host = None
         try:
             host = Host(boot, get_registry())
             host.build_stages()
         except BaseException as exc:  # noqa: B902 - SystemExit from a factory is a failed start too
-            await _report_start_failure(boot, exc)
+            await _report_start_failure(boot, exc, host)
             raise SystemExit(1) from None
         await host.serve()
 
@@ -152,15 +163,53 @@ def main(boot: Bootstrap) -> None:
         heart.stop()
 
 
-async def _report_start_failure(boot: Bootstrap, exc: BaseException) -> None:
+def failing_stage(boot: Bootstrap, host: Any, exc: BaseException) -> tuple[str, str]:
+    """``(stage name, config path)`` of the stage whose construction raised ``exc``, or
+    ``("", "")`` when no stage was being built. The path says which part of the stage's config is
+    at fault: ``stages[i].factory`` when resolving (importing) the factory failed,
+    ``stages[i].args`` when its arguments did not fit the factory's signature, ``stages[i]`` when
+    the factory itself raised."""
+    stages = [s.get("name") for s in boot.config.get("stages") or ()]
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    name, below = None, None
+    for k, frame in enumerate(frames):
+        if frame.tb_frame.f_code.co_name == "build_stages" and "name" in frame.tb_frame.f_locals:
+            name = frame.tb_frame.f_locals["name"]
+            below = frames[k + 1] if k + 1 < len(frames) else None
+    if name is None and host is not None:  # not raised under build_stages: the first stage not built
+        name = next((n for n in boot.process.stages if n not in getattr(host, "stages", {})), None)
+    if name is None or name not in stages:
+        return "", ""
+    path = f"stages[{stages.index(name)}]"
+    if below is None:
+        # Raised by build_stages' own line: calling the factory with arguments it does not take.
+        return name, path + (".args" if isinstance(exc, TypeError) else "")
+    called = below.tb_frame.f_code.co_name
+    if called in ("resolve", "get", "load", "import_ref"):
+        return name, path + ".factory"
+    if called == "_inject":
+        return name, path + ".args"
+    return name, path
+
+
+async def _report_start_failure(boot: Bootstrap, exc: BaseException, host: Any = None) -> None:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     message = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (ConfigError, PluginError)):
         message = str(exc)
+    try:
+        stage, path = failing_stage(boot, host, exc)
+    except Exception:  # never let the description hide the failure itself
+        stage, path = "", ""
     ctx = zmq.Context(io_threads=1)
     outbox = Outbox(ctx)
     try:
-        await asyncio.wait_for(outbox.send(boot.addresses[""], wire.StartFailed(boot.process.name, os.getpid(), message, tb)), 2.0)
+        failed = wire.StartFailed(boot.process.name, os.getpid(), message, tb, stage, path)
+        await asyncio.wait_for(outbox.send(boot.addresses[""], failed), 2.0)
     finally:
         outbox.close(linger_ms=2000)
         ctx.term()

@@ -121,6 +121,34 @@ def _ensure_forkserver(preload: list[str]) -> None:
     _forkserver_preload = wanted
 
 
+def run_stage_process(boot: Bootstrap) -> None:
+    """The local launcher's process: in a session of its own (a Ctrl-C in the caller's terminal
+    reaches the caller alone, which drains, then stops its processes; the parent watch still ends
+    them if the caller dies), then the stage host."""
+    from .child import main, own_session  # torch and the stage host: only where processes start
+
+    own_session()
+    main(boot)
+
+
+def prestart(launcher: str, options: Any) -> bool:
+    """Start the forkserver of a ``local`` launcher with these options now, in the background,
+    before the caller imports torch itself: the two imports then overlap instead of following
+    each other (the forkserver's is on the path of every stage process's start). Returns whether
+    it started one; any problem with the options is left for the launcher to report."""
+    if launcher not in ("local", "omni.local"):
+        return False
+    options = dict(options or {})
+    if options.get("start_method", "forkserver") != "forkserver":
+        return False
+    try:
+        preload = _preload_option(options.get("preload"))
+        _ensure_forkserver(preload)
+    except Exception:
+        return False
+    return True
+
+
 class LocalLauncher:
     """Stage processes on this machine: a forkserver that preloaded torch and omni (default), or
     plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork.
@@ -151,9 +179,8 @@ class LocalLauncher:
             self._open = True
 
     def start(self, boot: Bootstrap) -> ProcessHandle:
-        from .child import main  # torch and the stage host: only where processes start
-
-        proc = self.ctx.Process(target=main, args=(boot,), name=f"omni:{boot.process.name}", daemon=False)
+        proc = self.ctx.Process(target=run_stage_process, args=(boot,), name=f"omni:{boot.process.name}",
+                                daemon=False)
         with _without_main_module():
             proc.start()
         return _MpHandle(boot.process.name, proc)

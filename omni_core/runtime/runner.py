@@ -43,6 +43,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 RUNTIME_DIR_PREFIX = "omni-run-"
 
+#: Seconds a failed start waits for more failures (several processes failing at once are all
+#: reported) and a process that died while starting waits for the StartFailed it may have sent.
+START_FAILURE_GRACE = 0.2
+
 STATES = ("new", "starting", "running", "restarting", "stopping", "stopped")
 
 
@@ -53,6 +57,10 @@ def signal_name(exitcode: int | None) -> str | None:
         except ValueError:
             return f"signal {-exitcode}"
     return None
+
+
+def _failure(fut: asyncio.Future) -> BaseException | None:
+    return None if fut.cancelled() else fut.exception()
 
 
 def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) -> list[str]:
@@ -122,7 +130,7 @@ class Runner:
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
-            self.log.info("pipeline state", state=state, was=self.state)
+            self.log.debug("pipeline state", state=state, was=self.state)
         self.state = state
         if state == "running":
             self._running.set()
@@ -157,13 +165,24 @@ class Runner:
             raise PipelineClosed(f"pipeline {self.config.name!r} was already started")
         self._set_state("starting")
         self._loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        self.log.info("pipeline starting", processes=len(plan.processes), stages=len(self.config.stages),
+                      launcher=self.config.launcher.name)
         try:
             await self._start(plan)
-        except BaseException:
-            await self._teardown(time.monotonic() + self.config.limits.stop_timeout)
+        except BaseException as exc:
+            # Fail fast: the processes that are not ready yet are serving nothing; they are ended
+            # at once instead of being waited for (see _teardown).
+            reason = "interrupted" if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)) else \
+                f"start failed: {getattr(exc, 'message', None) or exc}"
+            self.log.info("pipeline stopping", reason=reason.splitlines()[0] if reason else reason)
+            stopping = time.monotonic()
+            await self._teardown(stopping + self.config.limits.stop_timeout, failed_start=True)
             self._set_state("stopped")
+            self.log.info("pipeline stopped", stop_time_s=round(time.monotonic() - stopping, 3))
             raise
         self._set_state("running")
+        self.log.info("pipeline ready", processes=len(self.handles), start_time_s=round(time.monotonic() - began, 3))
         self._monitor = self._loop.create_task(self._watch_heartbeats())
 
     async def _start(self, plan: Plan) -> None:
@@ -235,6 +254,9 @@ class Runner:
                       device=self.boots[name].process.device, generation=self.boots[name].generation)
 
     async def _wait_ready(self, names: list[str], deadline: float) -> None:
+        """Wait until every process of ``names`` is ready; at the first that fails (reports
+        ``StartFailed`` or dies), raise at once: one ``StartupError`` for it and for any other
+        that failed within ``START_FAILURE_GRACE`` of it (their ``failures``)."""
         waiting = {self._ready[n]: n for n in names}
         pending = set(waiting)
         while pending:
@@ -247,8 +269,11 @@ class Runner:
                     "construction (model loading) is slow"
                 )
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                fut.result()  # raises StartupError for a failed process
+            if any(_failure(fut) for fut in done):
+                if pending:  # siblings failing with the same cause report within moments
+                    more, pending = await asyncio.wait(pending, timeout=START_FAILURE_GRACE)
+                    done |= more
+                raise StartupError.several([_failure(fut) for fut in waiting if fut in done and _failure(fut)])
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -268,7 +293,14 @@ class Runner:
         elif isinstance(msg, wire.StartFailed):
             fut = self._ready.get(msg.process)
             if fut is not None and not fut.done():
-                fut.set_exception(StartupError(f"process {msg.process!r} failed to start: {msg.message}", process=msg.process, traceback=msg.traceback))
+                if msg.stage:
+                    text = f"{msg.path}: stage {msg.stage!r} failed to start (process {msg.process!r}): {msg.message}"
+                else:
+                    text = f"process {msg.process!r} failed to start: {msg.message}"
+                self.log.info("process failed to start", process=msg.process, pid=msg.pid, stage=msg.stage or None,
+                              path=msg.path or None, error=msg.message.splitlines()[0] if msg.message else "")
+                fut.set_exception(StartupError(text, process=msg.process, traceback=msg.traceback,
+                                               stage=msg.stage or None, path=msg.path or None, detail=msg.message))
         elif isinstance(msg, wire.Bye):
             fut = self._byes.get(msg.process)
             if fut is not None and not fut.done():
@@ -328,7 +360,15 @@ class Runner:
         ready = self._ready.get(name)
         if ready is not None and not ready.done():
             how = reason or signal_name(code) or f"exit code {code}"
-            ready.set_exception(StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name))
+            died = StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name)
+
+            def fail() -> None:
+                if not ready.done():
+                    ready.set_exception(died)
+
+            # A process that reported StartFailed exits right after: its report, which may still
+            # be on its way, says more than the exit.
+            self._loop.call_later(START_FAILURE_GRACE, fail)
             return
         if self.state in ("stopping", "stopped", "new", "starting"):
             return  # expected (stopping), or handled by the start (starting)
@@ -434,16 +474,24 @@ class Runner:
         if self.state in ("stopped", "new"):
             self._set_state("stopped")
             return
-        self._begin_stop(timeout)
+        self._begin_stop(timeout, reason="stop requested")
         if self._stop_task is not None:
             await asyncio.shield(self._stop_task)
 
-    def _begin_stop(self, timeout: float | None = None) -> None:
+    def _begin_stop(self, timeout: float | None = None, *, reason: str | None = None) -> None:
         """Enter ``stopping`` now (no request is admitted from here on) and stop in a task."""
         if self.state in ("stopping", "stopped", "new"):
             return
         self._set_state("stopping")
+        if reason is None:
+            reason = str(self.closed_reason).splitlines()[0] if self.closed_reason is not None else "stop requested"
+        self.log.info("pipeline stopping", reason=reason, in_flight=self._in_flight())
         self._stop_task = self._loop.create_task(self._stop(timeout))
+
+    def _in_flight(self) -> int | None:
+        owner = getattr(self._on_stopping, "__self__", None)  # the coordinator, when it is one
+        requests = getattr(owner, "requests", None)
+        return len(requests) if requests is not None else None
 
     async def _stop(self, timeout: float | None) -> None:
         total = self.config.limits.stop_timeout if timeout is None else timeout
@@ -457,11 +505,23 @@ class Runner:
         self._on_stopped(self.closed_reason)
         await self._teardown(deadline)
         self._set_state("stopped")
+        self.log.info("pipeline stopped", stop_time_s=round(time.monotonic() - start, 3))
 
-    async def _teardown(self, deadline: float) -> None:
+    async def _teardown(self, deadline: float, *, failed_start: bool = False) -> None:
+        """End every process within ``deadline``: ``Shutdown`` (they free what they hold and say
+        ``Bye``), then join, SIGTERM, SIGKILL. After a failed start, the processes that are not
+        ready yet (still importing or building their stages; the failed ones) get SIGTERM at once:
+        they hold nothing a shutdown would free that the relay sweep below does not."""
         start = time.monotonic()
         span = max(0.5, deadline - start)
         alive = {n: h for n, h in self.handles.items() if h.exitcode is None}
+        if failed_start:
+            for fut in self._ready.values():
+                if not fut.done():
+                    fut.cancel()  # its death from here on is expected, not another failure
+            unready = [n for n in alive if not self._is_ready(n)]
+            for name in unready:
+                alive.pop(name).terminate()
         if alive and self.outbox is not None:
             self._byes = {n: self._loop.create_future() for n in alive}
             for name in alive:
@@ -495,6 +555,10 @@ class Runner:
         self._sweep_relays()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _is_ready(self, name: str) -> bool:
+        fut = self._ready.get(name)
+        return fut is not None and fut.done() and _failure(fut) is None and not fut.cancelled()
 
     def _sweep_relays(self) -> None:
         if not self.plan or not self.run_id:

@@ -102,6 +102,8 @@ class StartFailed(msgspec.Struct, tag="z", array_like=True):
     pid: int
     message: str
     traceback: str
+    stage: str = ""  # the stage it was building, and that stage's config path (``stages[1].args``)
+    path: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="h", array_like=True):
