@@ -142,7 +142,6 @@ def main(boot: Bootstrap) -> None:
     heart.start()
 
     async def run() -> None:
-        heart.watch(asyncio.get_running_loop())
         host = None
         try:
             host = Host(boot, get_registry())
@@ -150,6 +149,8 @@ def main(boot: Bootstrap) -> None:
         except BaseException as exc:  # noqa: B902 - SystemExit from a factory is a failed start too
             await _report_start_failure(boot, exc, host)
             raise SystemExit(1) from None
+        # Building stages (loading a model) holds the loop by design; it is measured from here on.
+        heart.watch(asyncio.get_running_loop())
         await host.serve()
 
     try:
