@@ -56,7 +56,7 @@ def test_new_kind_relay_and_placement_write_their_modules(tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [
     (["Bad-Name"], 1, "error: invalid plugin name 'Bad-Name': use lower-case letters"),
-    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay, placement"),
+    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay, placement, launcher, api"),
 ])
 def test_new_refuses_bad_input_without_a_traceback(tmp_path, args, code, message):
     result = run_omni("plugins", "new", *args, "--dir", str(tmp_path))
