@@ -109,6 +109,10 @@ def test_check_reports_each_problem_with_the_plugin_the_name_and_a_fix(plugin_si
     good = {p["name"]: p for p in report["distributions"]["omnitest-good"]}
     assert good["acme.upper"]["problem"] == "stage factory 'acme.upper' is not namespaced by the plugin"
     assert good["acme.upper"]["fix"].startswith("rename it good.acme.upper")
+    assert good["acme.upper"]["severity"] == "error"
+    # names users type (omni serve --api NAME, omni run NAME) may stay short: a warning
+    assert (good["acme.api"]["severity"], good["acme.api"]["problem"]) == (
+        "warning", "API 'acme.api' is not namespaced by the plugin")
     relay = [p for p in report["distributions"]["omnitest-brokenrelay"] if p["severity"] == "error"]
     assert [p["name"] for p in relay] == ["brokenrelay"]
     assert "cannot import module 'omnitest_brokenrelay.relay'" in relay[0]["problem"]
