@@ -120,7 +120,7 @@ def test_check_reports_each_problem_with_the_plugin_the_name_and_a_fix(plugin_si
 
 def test_check_of_the_built_ins_is_clean_and_an_unknown_distribution_is_a_usage_error(plugin_site_dir):
     code, report = _check(plugin_site_dir, "omni-core")
-    assert (code, report) == (0, {"ok": True, "distributions": {"omni-core": []}})
+    assert (code, report) == (0, {"ok": True, "distributions": {"omni-core": []}}), report
     result = run_omni("plugins", "check", "omnitest-godo", pythonpath=plugin_site_dir)
     assert result.returncode == 2
     assert "(did you mean 'omnitest-good'?)" in result.stderr
