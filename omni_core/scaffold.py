@@ -76,7 +76,7 @@ def _values(name: str, kind: str) -> dict[str, str]:
     pkg, dist = f"omni_{name}", f"omni-{name.replace('_', '-')}"
     run = "$ " + run_command(name, kind)
     if kind == "api":
-        run += "\n$ " + serve_command(name) + "\n$ " + curl_command(name)
+        run += "\n$ " + serve_command(name) + "    # then, from another terminal:\n$ " + curl_command(name)
     return {
         "name": name,
         "pkg": pkg,
