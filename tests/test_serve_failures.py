@@ -60,3 +60,25 @@ def test_a_restart_is_counted_then_a_second_death_stops_the_pipeline_and_the_ser
         code = server.stop()
     assert code == 0, server.output()
     server.assert_nothing_left()
+
+
+def test_a_server_that_never_gets_ready_is_stopped_by_the_failed_start(tmp_path):
+    """``ServerProcess.start`` that gives up (the pipeline's factory waits forever) leaves no
+    server, stage process, runtime dir or segment behind."""
+    marker, gate = tmp_path / "marker", tmp_path / "gate"
+    marker.write_text("started once")  # so Gate's factory waits for ``gate``, which never comes
+    config = tmp_path / "stuck.yaml"
+    config.write_text(
+        "name: stuck\n"
+        "stages:\n"
+        "  - name: held\n"
+        "    factory: omni_test_stages:Gate\n"
+        f"    args: {{marker: {str(marker)!r}, gate: {str(gate)!r}}}\n"
+        "    terminal: true\n"
+        "limits: {stop_timeout: 5}\n"
+    )
+    server = ServerProcess(str(config), env=ENV, ready_timeout=8)
+    with pytest.raises(RuntimeError, match="omni serve"):
+        server.start()
+    assert server.returncode is not None, "the failed start left the server running"
+    assert until(lambda: not server.leftovers(), 20), server.leftovers()

@@ -18,9 +18,15 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           text_joiner: " "            # put between two pieces
           result_text_field: text     # result[text_stage][result_text_field]: the whole text
           audio_stage: vocoder        # whose chunks carry audio (null: the pipeline has none)
-          audio_field: pcm16          # chunk[audio_field]: mono little-endian 16-bit PCM bytes
-          sample_rate: 24000
+          audio_field: pcm16          # chunk[audio_field]: mono audio, PCM16 bytes or float samples
+          sample_rate: 24000          # of that audio, unless the chunk says (sample_rate_field)
+          sample_rate_field: sample_rate  # chunk[sample_rate_field], when present, is its rate
           voices: null                # accepted voice names (null: any)
+          voice_key: null             # the voice goes to inputs[voice_key] (null: not passed on)
+
+Audio in a chunk is either mono little-endian 16-bit PCM (``bytes``) or samples: a 1-D torch
+tensor, numpy array or list, float in [-1, 1] (any float dtype, bfloat16 included: clipped, scaled
+by 32767 and rounded half to even, as omni-transformers writes its WAV files) or int16 (as is).
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 codes of ``omni serve`` (400, 404, 429 + Retry-After, 500, 503, 504).
@@ -51,17 +57,27 @@ DEFAULTS: dict[str, Any] = {
     "audio_stage": None,
     "audio_field": "pcm16",
     "sample_rate": 24000,
+    "sample_rate_field": "sample_rate",
     "voices": None,
+    "voice_key": None,
 }
 
 AUDIO_FORMATS = ("wav", "pcm16")
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
 
@@ -70,30 +86,53 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     """The adapter's options with defaults; unknown keys are an error naming the known ones."""
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}")
+        raise ValueError(
+            f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}"
+        )
     opts = {**DEFAULTS, **options}
     terminals = list(pipeline_config.terminal_stages)
     if opts["text_stage"] is None:
         opts["text_stage"] = terminals[0]
     for key in ("text_stage", "audio_stage"):
         if opts[key] is not None and opts[key] not in pipeline_config.stage_names:
-            raise ValueError(f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
-                             f"(stages: {', '.join(pipeline_config.stage_names)})")
+            raise ValueError(
+                f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
+                f"(stages: {', '.join(pipeline_config.stage_names)})"
+            )
+    rate = opts["sample_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        raise ValueError(f"serve.options.openai.sample_rate: a positive integer (Hz), got {rate!r}")
+    for key in ("voice_key", "sample_rate_field", "max_tokens_key"):
+        if opts[key] is not None and not isinstance(opts[key], str):
+            raise ValueError(f"serve.options.openai.{key}: a string or null, got {opts[key]!r}")
+    voices = opts["voices"]
+    if voices is not None and (
+        not isinstance(voices, list) or not all(isinstance(v, str) for v in voices)
+    ):
+        raise ValueError(
+            f"serve.options.openai.voices: a list of voice names or null, got {voices!r}"
+        )
     return opts
 
 
 def _prompt(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        raise BadRequest(
+            "'messages' must be a non-empty list of {role, content} objects", "messages"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
-            raise BadRequest(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
+            raise BadRequest(
+                f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]"
+            )
     users = [m for m in messages if m["role"] == "user"]
     if not users:
         raise BadRequest("'messages' needs at least one message with role 'user'", "messages")
     content = users[-1].get("content")
     if isinstance(content, list):  # content parts: keep the text ones
-        content = " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        content = " ".join(
+            p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+        )
     if not isinstance(content, str) or not content.strip():
         raise BadRequest("the last user message needs text content", "messages")
     return content
@@ -106,33 +145,58 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     if "model" not in body:
         raise BadRequest("'model' is required", "model")
     if body["model"] != model:
-        raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {model!r}", "model", 404, "model_not_found")
+        raise BadRequest(
+            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            "model",
+            404,
+            "model_not_found",
+        )
     prompt = _prompt(body.get("messages"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
     modalities = body.get("modalities") or ["text"]
-    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} or "text" not in modalities:
-        raise BadRequest("'modalities' must be [\"text\"] or [\"text\", \"audio\"]", "modalities")
+    if (
+        not isinstance(modalities, list)
+        or not set(modalities) <= {"text", "audio"}
+        or "text" not in modalities
+    ):
+        raise BadRequest('\'modalities\' must be ["text"] or ["text", "audio"]', "modalities")
     want_audio = "audio" in modalities
     audio = body.get("audio")
     fmt = None
     if want_audio:
         if opts["audio_stage"] is None:
-            raise BadRequest("this model has no audio output; ask for modalities [\"text\"]", "modalities")
+            raise BadRequest(
+                'this model has no audio output; ask for modalities ["text"]', "modalities"
+            )
         if not isinstance(audio, Mapping):
-            raise BadRequest("modalities with 'audio' need 'audio': {\"voice\": ..., \"format\": \"wav\" | \"pcm16\"}", "audio")
+            raise BadRequest(
+                'modalities with \'audio\' need \'audio\': {"voice": ..., "format": "wav" | "pcm16"}',
+                "audio",
+            )
         fmt = audio.get("format", "pcm16" if stream else "wav")
         if fmt not in AUDIO_FORMATS:
-            raise BadRequest(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}", "audio.format")
+            raise BadRequest(
+                f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}",
+                "audio.format",
+            )
         if stream and fmt != "pcm16":
             raise BadRequest("streamed audio must use audio.format 'pcm16'", "audio.format")
         voice = audio.get("voice")
         if not isinstance(voice, str) or not voice:
             raise BadRequest("audio.voice is required (a voice name)", "audio.voice")
         if opts["voices"] is not None and voice not in opts["voices"]:
-            raise BadRequest(f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice")
-    inputs = {**opts["inputs"], **(opts["audio_inputs"] if want_audio else opts["text_inputs"]), opts["prompt_key"]: prompt}
+            raise BadRequest(
+                f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice"
+            )
+    inputs = {
+        **opts["inputs"],
+        **(opts["audio_inputs"] if want_audio else opts["text_inputs"]),
+        opts["prompt_key"]: prompt,
+    }
+    if want_audio and opts["voice_key"] is not None:
+        inputs[opts["voice_key"]] = voice
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -140,6 +204,47 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         if opts["max_tokens_key"] is not None:
             inputs[opts["max_tokens_key"]] = limit
     return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt}
+
+
+def pcm16(audio: Any) -> bytes | None:
+    """Mono audio as little-endian 16-bit PCM bytes; None when ``audio`` is not audio (a string,
+    a mapping, None ...).
+
+    - bytes, bytearray, memoryview: PCM16 already, returned as bytes (an odd length is an error);
+    - a torch tensor or numpy array, 1-D (or ``[1, N]`` / ``[N, 1]``): int16 as is; any float dtype
+      (bfloat16 and float16 widened to float32, exactly): NaN → 0, clipped to [-1, 1], × 32767,
+      rounded half to even, in float32 (float64 stays float64);
+    - a list or tuple: float samples, as a float32 array.
+    """
+    import numpy as np
+
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        data = bytes(audio)
+        if len(data) % 2:
+            raise ValueError(f"PCM16 audio needs an even number of bytes, got {len(data)}")
+        return data
+    if hasattr(audio, "detach") and hasattr(audio, "is_floating_point"):  # a torch tensor
+        tensor = audio.detach().cpu()
+        array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+    elif isinstance(audio, np.ndarray):
+        array = audio
+    elif isinstance(audio, (list, tuple)):
+        array = np.asarray(audio, dtype=np.float32)
+    else:
+        return None
+    if array.ndim != 1:
+        if array.ndim == 2 and 1 in array.shape:
+            array = array.reshape(-1)
+        else:
+            raise ValueError(f"audio must be mono (1-D samples), got shape {list(array.shape)}")
+    if array.dtype.kind == "i" and array.dtype.itemsize == 2:  # int16, either byte order
+        return array.astype("<i2", copy=False).tobytes()
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"audio samples must be float in [-1, 1] or int16, got {array.dtype}")
+    if array.dtype.itemsize < 4:
+        array = array.astype(np.float32)
+    array = np.clip(np.nan_to_num(array, nan=0.0), -1.0, 1.0) * array.dtype.type(32767)
+    return np.rint(array).astype("<i2").tobytes()
 
 
 def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
@@ -170,16 +275,33 @@ def make_routes(api: Any) -> list[Any]:
     opts = adapter_options(api.options, api.pipeline.config)
     created = int(time.time())
 
-    def error(status: int, message: str, *, param: str | None = None, code: str | None = None,
-              headers: dict[str, str] | None = None) -> JSONResponse:
-        body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+    def error(
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
+        body = {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "server_error"),
+                "param": param,
+                "code": code,
+            }
+        }
         return JSONResponse(body, status_code=status, headers=headers)
 
     def from_exception(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
         err = describe(exc)
         where = f" (stage {err.stage!r})" if err.stage else ""
-        body = {"message": f"{err.type}{where}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
-                "param": None, "code": err.type}
+        body = {
+            "message": f"{err.type}{where}: {err.message}",
+            "type": _ERROR_TYPES.get(err.status, "server_error"),
+            "param": None,
+            "code": err.type,
+        }
         return err.status, body, err.headers
 
     def text_of(chunk: Any) -> str | None:
@@ -189,13 +311,29 @@ def make_routes(api: Any) -> list[Any]:
         return chunk if isinstance(chunk, str) else None
 
     def audio_of(chunk: Any) -> bytes | None:
-        if isinstance(chunk, Mapping):
-            value = chunk.get(opts["audio_field"])
-            return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+        if isinstance(chunk, Mapping) and opts["audio_field"] in chunk:
+            return pcm16(chunk[opts["audio_field"]])
         return None
 
+    def rate_of(chunk: Any) -> int:
+        rate = (
+            chunk.get(opts["sample_rate_field"])
+            if isinstance(chunk, Mapping) and opts["sample_rate_field"]
+            else None
+        )
+        return (
+            int(rate)
+            if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0
+            else opts["sample_rate"]
+        )
+
     async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}],
+            }
+        )
 
     async def chat_completions(request):
         try:
@@ -213,15 +351,21 @@ def make_routes(api: Any) -> list[Any]:
             return await _streamed(request, rid, req, events)
         pieces: list[str] = []
         pcm = bytearray()
+        rates: list[int] = []
 
         async def collect():
             async for event in events:
                 if event.is_result:
                     return event.data
-                if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
                     pieces.append(piece)
-                elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
+                elif (
+                    req["audio"]
+                    and event.stage == opts["audio_stage"]
+                    and (data := audio_of(event.data)) is not None
+                ):
                     pcm.extend(data)
+                    rates.append(rate_of(event.data))
             return None
 
         try:
@@ -236,21 +380,52 @@ def make_routes(api: Any) -> list[Any]:
         text = _final_text(result, opts, pieces)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if req["audio"]:
-            data = wav_bytes(bytes(pcm), opts["sample_rate"]) if req["format"] == "wav" else bytes(pcm)
-            message["audio"] = {"id": f"audio-{rid}", "data": base64.b64encode(data).decode(), "transcript": text,
-                                "expires_at": int(time.time()) + 3600}
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": len(pieces), "total_tokens": len(pieces)},
-        })
+            rate = rates[0] if rates else opts["sample_rate"]
+            if any(r != rate for r in rates):
+                return error(
+                    500,
+                    f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
+                    f"({sorted(set(rates))}); one response holds one rate",
+                    code="AudioError",
+                )
+            data = wav_bytes(bytes(pcm), rate) if req["format"] == "wav" else bytes(pcm)
+            message["audio"] = {
+                "id": f"audio-{rid}",
+                "data": base64.b64encode(data).decode(),
+                "transcript": text,
+                "expires_at": int(time.time()) + 3600,
+                "sample_rate": rate,
+            }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": 0,
+                    "completion_tokens": len(pieces),
+                    "total_tokens": len(pieces),
+                },
+            }
+        )
 
     async def _streamed(request, rid, req, events):
         now = int(time.time())
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-            data = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": now,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                ],
+            }
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
         # The first event (or the error that prevents it) before the response starts, so
@@ -274,15 +449,28 @@ def make_routes(api: Any) -> list[Any]:
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while event is not None and not event.is_result:
-                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)) is not None:
+                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
                         text = piece if pieces == 0 else opts["text_joiner"] + piece
                         pieces += 1
                         delta: dict[str, Any] = {"content": text}
                         if req["audio"]:
                             delta["audio"] = {"id": audio_id, "transcript": text}
                         yield chunk(delta)
-                    elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
-                        yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode(), "transcript": ""}})
+                    elif (
+                        req["audio"]
+                        and event.stage == opts["audio_stage"]
+                        and (data := audio_of(event.data))
+                    ):
+                        yield chunk(
+                            {
+                                "audio": {
+                                    "id": audio_id,
+                                    "data": base64.b64encode(data).decode(),
+                                    "transcript": "",
+                                    "sample_rate": rate_of(event.data),
+                                }
+                            }
+                        )
                     try:
                         event = await events.__anext__()
                     except StopAsyncIteration:

@@ -30,7 +30,15 @@ def samples_for(words: int) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # No --api: the demo config's `serve: {apis: [openai]}` mounts it.
-    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve"))).start()
+    # A loaded CI machine can take over a minute to start the demo's processes.
+    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
+    try:
+        srv.start()
+    except (
+        BaseException
+    ):  # not ready in time: the server and its stage processes must not outlive the test
+        srv.stop()
+        raise
     try:
         yield srv
     finally:
@@ -41,7 +49,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
         yield c
 
 
@@ -50,7 +60,9 @@ def test_the_served_pipeline_is_the_one_model(client):
 
 
 def test_a_text_completion(client):
-    done = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=5)
+    done = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=5
+    )
     message = done.choices[0].message
     assert done.object == "chat.completion" and done.model == "demo"
     assert message.role == "assistant" and done.choices[0].finish_reason == "stop"
@@ -59,11 +71,17 @@ def test_a_text_completion(client):
 
 def test_a_completion_with_wav_audio_and_its_transcript(client):
     done = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=3,
-        modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"},
+        model="demo",
+        messages=[{"role": "user", "content": "hello omni"}],
+        max_tokens=3,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
     )
     message = done.choices[0].message
-    assert message.audio.transcript == message.content and len(message.content.rstrip(".").split()) == 3
+    assert (
+        message.audio.transcript == message.content
+        and len(message.content.rstrip(".").split()) == 3
+    )
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
         assert wav.getnframes() == samples_for(3)
@@ -71,8 +89,12 @@ def test_a_completion_with_wav_audio_and_its_transcript(client):
 
 def test_a_streamed_completion_with_pcm16_audio(client):
     stream = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=4, stream=True,
-        modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+        model="demo",
+        messages=[{"role": "user", "content": "hello omni"}],
+        max_tokens=4,
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
     )
     text, transcript, pcm, finish = [], [], bytearray(), []
     for chunk in stream:
@@ -93,10 +115,15 @@ def test_a_streamed_completion_with_pcm16_audio(client):
 
 
 def test_a_streamed_text_completion_over_plain_http_ends_with_done(server):
-    body = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    body = {
+        "model": "demo",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -109,11 +136,21 @@ def test_errors_have_the_openai_shape_and_status(client, server):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     assert "this server serves 'demo'" in info.value.message
     with pytest.raises(openai.BadRequestError, match="pcm16"):
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], stream=True,
-                                       modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "demo", "messages": []}, timeout=30)
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": "demo", "messages": []}, timeout=30
+    )
     assert r.status_code == 400
-    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "messages"
+    assert (
+        r.json()["error"]["type"] == "invalid_request_error"
+        and r.json()["error"]["param"] == "messages"
+    )
 
 
 # -- the adapter, without a server --------------------------------------------------------------------
@@ -122,13 +159,25 @@ def test_errors_have_the_openai_shape_and_status(client, server):
 def test_the_adapter_maps_a_request_to_the_demo_inputs():
     cfg = load_config("demo")
     opts = adapter_options(cfg.serve.options["openai"], cfg)
-    req = parse_request({"model": "demo", "messages": [{"role": "system", "content": "be brief"},
-                                                       {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                         "max_completion_tokens": 7, "modalities": ["text", "audio"],
-                         "audio": {"voice": "v", "format": "wav"}}, "demo", opts)
+    req = parse_request(
+        {
+            "model": "demo",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            "max_completion_tokens": 7,
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "v", "format": "wav"},
+        },
+        "demo",
+        opts,
+    )
     assert req["inputs"] == {"text": "hi", "max_tokens": 7, "stream_audio": True}
     assert (req["audio"], req["format"], req["stream"]) == (True, "wav", False)
-    text_only = parse_request({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts)
+    text_only = parse_request(
+        {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts
+    )
     assert text_only["inputs"] == {"text": "hi", "speak": False}
 
 
@@ -139,5 +188,13 @@ def test_adapter_options_are_checked_against_the_pipeline():
     with pytest.raises(ValueError, match="no stage 'speaker'"):
         adapter_options({"audio_stage": "speaker"}, cfg)
     with pytest.raises(BadRequest, match="no audio output"):
-        parse_request({"model": "demo", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"],
-                       "audio": {"voice": "v"}}, "demo", adapter_options({}, cfg))
+        parse_request(
+            {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "x"}],
+                "modalities": ["text", "audio"],
+                "audio": {"voice": "v"},
+            },
+            "demo",
+            adapter_options({}, cfg),
+        )

@@ -6,6 +6,12 @@ the given context and then runs commands sent over a pipe: ``peer.call(fn, *args
 and returns its result; ``peer.acall`` does the same without blocking the caller's event loop.
 Tensors never cross the pipe (torch would share them through its own shared memory): commands
 return :func:`tensor_record` tuples instead, which compare exactly, NaN and bit patterns included.
+
+:class:`TcpWire` is the control plane's tcp transport (CurveZMQ, as between two nodes), for tests
+whose handles and frames must cross it rather than the pipe: the relay conformance kit's
+cross-node mode binds one in the test process and one in each peer (:func:`open_wire`), sends a
+transfer with :meth:`TcpWire.send` and has the peer take it from its inbox
+(:func:`get_from_wire`), so the relay's ``get`` sees received zmq frames, as in a stage process.
 """
 
 from __future__ import annotations
@@ -50,11 +56,102 @@ class PeerState:
     relay: Relay
     loop: asyncio.AbstractEventLoop
     held: dict[bytes, list[torch.Tensor]] = attrs.Factory(dict)
+    wire: TcpWire | None = None
+
+    def close(self) -> None:
+        """Drop what is held, close the relay and the wire (what a peer does before it exits)."""
+        self.held.clear()
+        try:
+            self.relay.close()
+        finally:
+            if self.wire is not None:
+                self.wire.close()
+                self.wire = None
+
+
+# -- the control plane's tcp transport ------------------------------------------------------------
+
+
+class TcpWire:
+    """A CurveZMQ tcp inbox on ``host`` (bound by the control plane's ``bind_inbox``, a port chosen
+    by binding) and PUSH sockets to other wires' addresses, all under one run's ``keys``. A message
+    is ``[token, handle, *frames]``; :meth:`receive` returns the one of a token, keeping others
+    that arrive first (concurrent transfers may overtake each other)."""
+
+    def __init__(self, keys: Any, host: str):
+        import zmq
+        from zmq.utils.garbage import gc
+
+        from ..runtime.channel import adopt_inbox, bind_inbox
+
+        if not gc.is_alive():  # pyzmq's thread for zero-copy sends, once per process: start it now
+            gc.start()
+        self.keys = keys
+        self.address = bind_inbox(None, keys=keys, host=host)
+        self.inbox = adopt_inbox(self.address)
+        self.ctx = zmq.Context(io_threads=1)
+        self.outboxes: dict[str, Any] = {}
+        self.early: dict[bytes, list[Any]] = {}
+        self._lock = threading.Lock()
+
+    def send(
+        self, address: str, token: bytes, handle: bytes, frames: Sequence[Any], timeout: float = 30
+    ) -> None:
+        import zmq
+
+        from ..runtime.channel import connect, trust
+
+        with self._lock:
+            sock = self.outboxes.get(address)
+            if sock is None:
+                trust([address], self.keys)
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+                connect(sock, address)
+                self.outboxes[address] = sock
+            sock.send_multipart([token, bytes(handle), *frames], copy=False)
+
+    def receive(self, token: bytes, timeout: float = 30) -> tuple[bytes, list[Any]]:
+        """``(handle, frames)`` of the message sent with ``token``; the frames as received
+        (``zmq.Frame``). TimeoutError when it does not come."""
+        import time
+
+        import zmq
+
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while token not in self.early:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.inbox.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    if token in self.early:
+                        break
+                    raise TimeoutError(
+                        f"nothing arrived for {token!r} at {self.address} within {timeout:g} s"
+                    )
+                parts = self.inbox.recv_multipart(copy=False)
+                self.early[bytes(parts[0].buffer)] = parts[1:]
+            handle, *frames = self.early.pop(token)
+        return bytes(handle.buffer), frames
+
+    def close(self) -> None:
+        from ..runtime.channel import forget_trust
+
+        for sock in self.outboxes.values():
+            sock.close(linger=0)
+        self.outboxes.clear()
+        self.early.clear()
+        self.inbox.close(linger=0)
+        self.ctx.term()
+        forget_trust(self.keys)
 
 
 # -- commands (run in the peer) -----------------------------------------------------------------
 
-async def get_records(state: PeerState, handle: bytes, frames: Sequence[bytearray], release: bool = True):
+
+async def get_records(
+    state: PeerState, handle: bytes, frames: Sequence[bytearray], release: bool = True
+):
     """Get a transfer; return its tensors as records plus whether each was contiguous. Without
     ``release`` the tensors stay held (credits stay taken) until :func:`release`."""
     tensors = await state.relay.get(handle, list(frames))
@@ -92,12 +189,41 @@ async def put_seeded(state: PeerState, request_id: int, target: str, seed: int, 
     return bytes(transfer.handle), [bytearray(memoryview(f)) for f in transfer.frames]
 
 
+def open_wire(state: PeerState, keys: Any, host: str) -> str:
+    """Bind the peer's :class:`TcpWire` on ``host``; its address."""
+    state.wire = TcpWire(keys, host)
+    return state.wire.address
+
+
+async def get_from_wire(state: PeerState, token: bytes, release: bool = True, timeout: float = 30):
+    """:func:`get_records` of the transfer that arrived on the peer's wire with ``token``."""
+    handle, frames = state.wire.receive(token, timeout)  # sent before this command: no wait
+    return await get_records(state, handle, frames, release)
+
+
+async def put_seeded_to_wire(
+    state: PeerState,
+    request_id: int,
+    target: str,
+    seed: int,
+    shapes: list,
+    address: str,
+    token: bytes,
+) -> None:
+    """:func:`put_seeded`, the transfer sent over the peer's wire to ``address`` with ``token``."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(tuple(s), generator=gen) for s in shapes]
+    transfer = await state.relay.put(request_id, tensors, target)
+    state.wire.send(address, token, transfer.handle, list(transfer.frames))
+
+
 def seeded_records(seed: int, shapes: list) -> list:
     gen = torch.Generator().manual_seed(seed)
     return [tensor_record(torch.randn(tuple(s), generator=gen)) for s in shapes]
 
 
 # -- the peer process ---------------------------------------------------------------------------
+
 
 def _peer_main(conn, relay_ref, ctx: RelayContext) -> None:
     torch.set_num_threads(1)
@@ -119,8 +245,7 @@ def _peer_main(conn, relay_ref, ctx: RelayContext) -> None:
             except BaseException:
                 conn.send((False, traceback.format_exc()))
     finally:
-        state.held.clear()
-        state.relay.close()
+        state.close()
         loop.close()
     conn.send((True, None))
 
@@ -138,10 +263,15 @@ class RelayPeer:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, relay: type[Relay] | str, ctx: RelayContext, *, timeout: float = 60) -> RelayPeer:
+    def start(
+        cls, relay: type[Relay] | str, ctx: RelayContext, *, timeout: float = 60
+    ) -> RelayPeer:
         parent, child = multiprocessing.get_context("spawn").Pipe()
         proc = multiprocessing.get_context("spawn").Process(
-            target=_peer_main, args=(child, relay, ctx), name=f"relay-peer-{ctx.process}", daemon=True
+            target=_peer_main,
+            args=(child, relay, ctx),
+            name=f"relay-peer-{ctx.process}",
+            daemon=True,
         )
         proc.start()
         child.close()
@@ -152,8 +282,10 @@ class RelayPeer:
     def _reply(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             alive = self.process.is_alive()
-            raise PeerError(f"relay peer pid {self.process.pid} did not answer in {timeout} s "
-                            f"({'alive' if alive else f'exit code {self.process.exitcode}'})")
+            raise PeerError(
+                f"relay peer pid {self.process.pid} did not answer in {timeout} s "
+                f"({'alive' if alive else f'exit code {self.process.exitcode}'})"
+            )
         try:
             ok, value = self._conn.recv()
         except EOFError:
@@ -169,7 +301,17 @@ class RelayPeer:
             return self._reply(timeout)
 
     async def acall(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.call(fn, *args, timeout=timeout))
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.call(fn, *args, timeout=timeout)
+        )
+
+    @property
+    def node(self) -> str:
+        """Where the peer runs: this machine (a peer of another node says which)."""
+        return "local"
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def kill(self) -> None:
         """SIGKILL the peer and reap it (a crash: its relay never closes)."""

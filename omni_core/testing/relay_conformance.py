@@ -18,6 +18,12 @@ run, that no file the test created is left in the run's runtime dir, that no fil
 this process points into /dev/shm or the runtime dir, and that no thread was left running; cross-process tests run under pytest-timeout and check
 that the processes they started are gone. Relays must therefore put the run id in the names of
 the shared resources they create (DESIGN §6), which is what lets ``sweep`` find them.
+
+Cross-node mode (:class:`CrossNodeRelayConformance`): the same tests with the receiver and a
+second peer on two other nodes than the test process, and every handle and frame carried by the
+control plane's tcp transport (CurveZMQ, :class:`~omni_core.testing.peer.TcpWire`) instead of the
+pipe. A node provider subclasses it and says how a peer starts on a node (``omni_ray.testing``
+does it on a Ray cluster); a relay that does not declare the ``cluster`` scope is skipped.
 """
 
 from __future__ import annotations
@@ -35,13 +41,22 @@ import torch
 
 from ..relay.base import Relay, RelayContext
 from . import peer as cmd
-from .peer import RelayPeer, resolve_relay, tensor_record
+from .peer import RelayPeer, TcpWire, resolve_relay, tensor_record
 
 SENDER, RECEIVER = "sender", "receiver"
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
 ]
 
 
@@ -94,7 +109,9 @@ def assert_arrived(sent: list[torch.Tensor], records: list) -> None:
     assert len(records) == len(sent), f"{len(records)} tensors arrived, {len(sent)} were put"
     for i, (tensor, (dtype, shape, raw, contiguous)) in enumerate(zip(sent, records, strict=True)):
         want = tensor_record(tensor)
-        assert (dtype, tuple(shape)) == want[:2], f"tensor {i}: {dtype}{shape} arrived, {want[:2]} put"
+        assert (dtype, tuple(shape)) == want[:2], (
+            f"tensor {i}: {dtype}{shape} arrived, {want[:2]} put"
+        )
         assert raw == want[2], f"tensor {i} ({dtype}{shape}): values differ"
         assert contiguous, f"tensor {i} arrived non-contiguous"
 
@@ -103,6 +120,65 @@ def _wire(transfer) -> tuple[bytes, list[bytearray]]:
     """The transfer as it crosses a pipe: handle bytes and frames as writable buffers (received
     zmq frames belong to the receiver too)."""
     return bytes(transfer.handle), [bytearray(memoryview(f)) for f in transfer.frames]
+
+
+class PipeTransport:
+    """How handles and frames reach a spawned peer: as arguments of its commands, over the pipe."""
+
+    def attach(self, peer: Any) -> None:
+        pass
+
+    async def deliver(self, peer: Any, transfer: Any, release: bool = True) -> list:
+        """The records of ``transfer`` once the peer got it (and released it, unless not)."""
+        return await peer.acall(cmd.get_records, *_wire(transfer), release)
+
+    async def fetch(
+        self, peer: Any, request_id: int, target: str, seed: int, shapes: list
+    ) -> tuple[bytes, list]:
+        """``(handle, frames)`` of :func:`~omni_core.testing.peer.put_seeded` in the peer."""
+        return await peer.acall(cmd.put_seeded, request_id, target, seed, shapes)
+
+    def close(self) -> None:
+        pass
+
+
+class TcpTransport(PipeTransport):
+    """Handles and frames over the control plane's tcp transport: a CurveZMQ inbox in the test
+    process and one in every peer (bound on the peer's ``ip``), under one key set."""
+
+    def __init__(self, host: str):
+        from ..runtime.channel import CurveKeys
+
+        self.keys = CurveKeys.generate()
+        self.wire = TcpWire(self.keys, host)
+        self.addresses: dict[int, str] = {}
+        self.nodes: dict[str, str] = {}  # peer process -> its node
+        self._tokens = iter(range(1, 1 << 62))
+
+    def attach(self, peer: Any) -> None:
+        self.addresses[id(peer)] = peer.call(
+            cmd.open_wire, self.keys, getattr(peer, "ip", "127.0.0.1")
+        )
+
+    def token(self) -> bytes:
+        return next(self._tokens).to_bytes(8, "little")
+
+    async def deliver(self, peer: Any, transfer: Any, release: bool = True) -> list:
+        token = self.token()
+        self.wire.send(self.addresses[id(peer)], token, transfer.handle, list(transfer.frames))
+        return await peer.acall(cmd.get_from_wire, token, release)
+
+    async def fetch(
+        self, peer: Any, request_id: int, target: str, seed: int, shapes: list
+    ) -> tuple[bytes, list]:
+        token = self.token()
+        await peer.acall(
+            cmd.put_seeded_to_wire, request_id, target, seed, shapes, self.wire.address, token
+        )
+        return await asyncio.to_thread(self.wire.receive, token)
+
+    def close(self) -> None:
+        self.wire.close()
 
 
 @pytest.mark.timeout(120)
@@ -139,13 +215,48 @@ class RelayConformance:
     def runtime_dir(cls, tmp_path_factory) -> str:
         return str(tmp_path_factory.mktemp("relay-kit"))
 
+    @classmethod
+    def make_transport(cls) -> PipeTransport:
+        """How handles and frames travel between the test process and its peers."""
+        return PipeTransport()
+
+    @classmethod
+    def spawn_peer(cls, ctx: RelayContext) -> Any:
+        """A peer running the relay with ``ctx`` (``ctx.process`` is ``receiver`` or ``doomed``)."""
+        return RelayPeer.start(cls.relay_ref(), ctx)
+
+    @classmethod
+    def start_peer(
+        cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport
+    ) -> Any:
+        peer = cls.spawn_peer(cls.context(run_id, process, runtime_dir))
+        try:
+            transport.attach(peer)
+        except BaseException:
+            peer.kill()
+            raise
+        peer.transport = transport
+        return peer
+
+    @classmethod
+    def sweep_after_crash(cls, peer: Any, run_id: str) -> None:
+        """What the runner does after ``peer`` crashed: sweep the run on its node."""
+        resolve_relay(cls.relay_ref()).sweep(run_id)
+
     @pytest.fixture(scope="class")
     @classmethod
-    def receiver(cls, run_id, runtime_dir):
-        peer = RelayPeer.start(cls.relay_ref(), cls.context(run_id, RECEIVER, runtime_dir))
+    def transport(cls):
+        transport = cls.make_transport()
+        yield transport
+        transport.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def receiver(cls, run_id, runtime_dir, transport):
+        peer = cls.start_peer(RECEIVER, run_id, runtime_dir, transport)
         yield peer
         assert peer.stop() == 0, "the receiver process did not exit cleanly"
-        assert not peer.process.is_alive()
+        assert not peer.alive()
         assert remove_leaked(run_id) == [], "the receiver's relay left /dev/shm entries after close"
 
     @pytest.fixture
@@ -176,12 +287,19 @@ class RelayConformance:
             pytest.skip(f"{self.relay_ref()} declares no credits (put never waits)")
         return self.credits
 
-    async def send(self, sender: Relay, receiver: RelayPeer, tensors, request_id: int = 1,
-                   release: bool = True, target: str = RECEIVER):
+    async def send(
+        self,
+        sender: Relay,
+        receiver: RelayPeer,
+        tensors,
+        request_id: int = 1,
+        release: bool = True,
+        target: str = RECEIVER,
+    ):
         """Put ``tensors``, get them in the receiver; the records that arrived and the handle."""
-        handle, frames = _wire(await sender.put(request_id, tensors, target))
-        records = await receiver.acall(cmd.get_records, handle, frames, release)
-        return records, handle
+        transfer = await sender.put(request_id, tensors, target)
+        records = await receiver.transport.deliver(receiver, transfer, release)
+        return records, bytes(transfer.handle)
 
     async def fill_credits(self, sender: Relay, receiver: RelayPeer, request_id: int, got: int):
         """Take every credit toward the receiver with small puts of ``request_id``; the first
@@ -189,7 +307,9 @@ class RelayConformance:
         handles = []
         for i in range(self.needs_credits()):
             if i < got:
-                _, handle = await self.send(sender, receiver, [sample(torch.float32)], request_id, False)
+                _, handle = await self.send(
+                    sender, receiver, [sample(torch.float32)], request_id, False
+                )
             else:
                 handle, _ = _wire(await sender.put(request_id, [sample(torch.float32)], RECEIVER))
             handles.append(handle)
@@ -201,7 +321,9 @@ class RelayConformance:
             await sender.put(999, [sample(torch.float32)], target)
         elapsed = time.monotonic() - started
         assert elapsed <= self.put_timeout + 3, f"put took {elapsed:.1f} s to give up"
-        assert target in str(info.value), f"the timeout error does not name the target: {info.value}"
+        assert target in str(info.value), (
+            f"the timeout error does not name the target: {info.value}"
+        )
         return str(info.value)
 
     # -- values ---------------------------------------------------------------------------------
@@ -213,8 +335,13 @@ class RelayConformance:
         assert_arrived(tensors, records)
 
     def test_empty_and_zero_dim_tensors_round_trip(self, sender, receiver):
-        tensors = [torch.empty(0), torch.empty(3, 0, 2, dtype=torch.int64), torch.tensor(7.5),
-                   torch.tensor(True), torch.ones(1, dtype=torch.float16)]
+        tensors = [
+            torch.empty(0),
+            torch.empty(3, 0, 2, dtype=torch.int64),
+            torch.tensor(7.5),
+            torch.tensor(True),
+            torch.ones(1, dtype=torch.float16),
+        ]
         records, _ = self.run(self.send(sender, receiver, tensors))
         assert_arrived(tensors, records)
         records, _ = self.run(self.send(sender, receiver, []))
@@ -222,8 +349,13 @@ class RelayConformance:
 
     def test_non_contiguous_tensors_arrive_contiguous_with_their_values(self, sender, receiver):
         base = sample(torch.float32, (6, 8))
-        tensors = [base.t(), base[::2, 1::3], sample(torch.int16, (4,)).expand(3, 4),
-                   sample(torch.complex64, (4, 4))[:, 1], torch.arange(24).view(2, 3, 4).permute(2, 0, 1)]
+        tensors = [
+            base.t(),
+            base[::2, 1::3],
+            sample(torch.int16, (4,)).expand(3, 4),
+            sample(torch.complex64, (4, 4))[:, 1],
+            torch.arange(24).view(2, 3, 4).permute(2, 0, 1),
+        ]
         assert not any(t.is_contiguous() for t in tensors)
         records, _ = self.run(self.send(sender, receiver, tensors))
         assert_arrived(tensors, records)
@@ -253,7 +385,7 @@ class RelayConformance:
         shapes = [[4, 5], [0], [1000]]
 
         async def back():
-            handle, frames = await receiver.acall(cmd.put_seeded, 3, SENDER, 11, shapes)
+            handle, frames = await receiver.transport.fetch(receiver, 3, SENDER, 11, shapes)
             tensors = await sender.get(handle, frames)
             records = [tensor_record(t) for t in tensors]
             sender.release(handle)
@@ -267,7 +399,9 @@ class RelayConformance:
     def test_release_and_cleanup_are_idempotent(self, sender, receiver):
         async def go():
             for rid in range(3):
-                records, handle = await self.send(sender, receiver, [sample(torch.int32)], rid, False)
+                records, handle = await self.send(
+                    sender, receiver, [sample(torch.int32)], rid, False
+                )
                 await receiver.acall(cmd.release, handle)
                 await receiver.acall(cmd.release, handle)
                 await receiver.acall(cmd.cleanup, rid)
@@ -307,7 +441,7 @@ class RelayConformance:
             assert not waiting.done(), "put did not wait although every credit was held"
             await receiver.acall(cmd.release, handles[0])
             transfer = await asyncio.wait_for(waiting, self.put_timeout)
-            records = await receiver.acall(cmd.get_records, *_wire(transfer))
+            records = await receiver.transport.deliver(receiver, transfer)
             assert_arrived([sample(torch.float32)], records)
             for handle in handles[1:]:
                 await receiver.acall(cmd.release, handle)
@@ -345,9 +479,10 @@ class RelayConformance:
 
         self.run(go())
 
-    def test_dead_receiver_never_hangs_the_sender(self, run_id, runtime_dir, sender):
-        doomed = RelayPeer.start(self.relay_ref(), self.context(run_id, "doomed", runtime_dir))
+    def test_dead_receiver_never_hangs_the_sender(self, run_id, runtime_dir, transport, sender):
+        doomed = self.start_peer("doomed", run_id, runtime_dir, transport)
         try:
+
             async def before_death():
                 if self.credits is None:
                     await self.send(sender, doomed, [sample(torch.float32)], 1, False, "doomed")
@@ -357,19 +492,88 @@ class RelayConformance:
 
             self.run(before_death())
             doomed.kill()
-            assert not doomed.process.is_alive()
-            resolve_relay(self.relay_ref()).sweep(run_id)  # what the runner does after a crash
+            assert not doomed.alive()
+            self.sweep_after_crash(doomed, run_id)  # what the runner does after a crash
 
             async def after_death():
                 if self.credits is None:
-                    await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout + 3)
+                    await asyncio.wait_for(
+                        sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout + 3
+                    )
                     return
                 await self.assert_put_times_out(sender, "doomed")
                 for rid in range(self.credits):
                     sender.cleanup(rid)
-                await asyncio.wait_for(sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout)
+                await asyncio.wait_for(
+                    sender.put(2, [sample(torch.float32)], "doomed"), self.put_timeout
+                )
 
             self.run(after_death())
         finally:
             doomed.stop()
-        assert not doomed.process.is_alive()
+        assert not doomed.alive()
+
+
+class CrossNodeRelayConformance(RelayConformance):
+    """:class:`RelayConformance` with the ends on different nodes: the sender in the test process,
+    the receiver and the ``doomed`` peer each on another node, every handle and frame over the
+    control plane's tcp transport (CurveZMQ). A node provider subclasses it (``omni_ray.testing``
+    provides ``RayCrossNodeConformance``) and implements:
+
+    - ``spawn_peer(ctx)``: a peer with :class:`~omni_core.testing.peer.RelayPeer`'s methods
+      (``call``, ``acall``, ``alive``, ``kill``, ``stop``) plus ``node`` (its node's identity) and
+      ``ip`` (the address its inbox binds), on the node of ``ctx.process`` (``receiver`` and
+      ``doomed`` on two different nodes);
+    - ``this_node()`` and ``this_ip()``: the same for the test process;
+    - ``sweep_after_crash(peer, run_id)``: the relay's sweep on the dead peer's node.
+
+    The leak checks of /dev/shm and the runtime dir look at this machine: on a simulated cluster
+    (every node on one machine) they see every node. A relay whose registered capabilities lack
+    the ``cluster`` scope is skipped: ``auto`` never puts it on an edge between nodes."""
+
+    @classmethod
+    def this_node(cls) -> str:
+        raise NotImplementedError(f"{cls.__name__}: a node provider implements this_node()")
+
+    @classmethod
+    def this_ip(cls) -> str:
+        return "127.0.0.1"
+
+    @classmethod
+    def spawn_peer(cls, ctx: RelayContext) -> Any:
+        raise NotImplementedError(f"{cls.__name__}: a node provider implements spawn_peer(ctx)")
+
+    @classmethod
+    def make_transport(cls) -> PipeTransport:
+        return TcpTransport(cls.this_ip())
+
+    @classmethod
+    def declared_scopes(cls) -> frozenset[str]:
+        """The scopes the relay declared: at registration (by name), else its class attribute."""
+        ref = cls.relay_ref()
+        if isinstance(ref, str) and ":" not in ref:
+            from ..plugins import get_registry
+
+            caps = get_registry().get("relay", ref).capabilities
+            if caps is not None:
+                return frozenset(caps.scopes)
+        return frozenset(resolve_relay(ref).capabilities.scopes)
+
+    @classmethod
+    def start_peer(
+        cls, process: str, run_id: str, runtime_dir: str, transport: PipeTransport
+    ) -> Any:
+        if "cluster" not in cls.declared_scopes():
+            pytest.skip(
+                f"relay {cls.relay_ref()!r} does not declare the 'cluster' scope: it never crosses nodes"
+            )
+        peer = super().start_peer(process, run_id, runtime_dir, transport)
+        taken = {cls.this_node(): "the test process"}
+        taken.update({n: p for p, n in transport.nodes.items() if p != process})
+        if peer.node in taken:
+            peer.kill()
+            raise AssertionError(
+                f"peer {process!r} runs on the node of {taken[peer.node]} ({peer.node}): not across nodes"
+            )
+        transport.nodes[process] = peer.node
+        return peer

@@ -61,13 +61,29 @@ class ServerProcess:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + self.ready_timeout
-        while not self._url_found.wait(0.05):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self._reader.join(2)
-                raise RuntimeError(f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output())
-        if wait_ready:
-            self.wait_ready(deadline)
+        try:
+            while not self._url_found.wait(0.05):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output())
+            if wait_ready:
+                self.wait_ready(deadline)
+        except BaseException:
+            self._abandon()
+            raise
         return self
+
+    def _abandon(self) -> None:
+        """A start that failed stops what it started: SIGTERM (the server drains and stops its
+        stage processes), SIGKILL if that takes too long."""
+        assert self.proc is not None
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._reader is not None:
+            self._reader.join(5)
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
