@@ -7,7 +7,9 @@ name it registers is namespaced by the plugin (``NAME`` or ``NAME.…``); lazily
 (``"pkg.mod:attr"``) objects import; functions' signatures fit their kind; pipelines validate;
 relays are Relay classes with declared capabilities (matching the class's) and an options
 schema, a ``sweep`` that takes ``dry_run``, and pass a smoke round of the conformance kit;
-placement strategies take one request and launchers are classes.
+placement strategies take one request, launchers are classes and API factories are callable.
+A pipeline or API name outside the namespace is a warning (users type those names), any other
+an error.
 """
 
 from __future__ import annotations
@@ -220,13 +222,18 @@ def smoke_round(cls: Any, device: str = "cpu") -> str | None:
     return None
 
 
+#: Kinds whose names users type (``omni run demo``, ``omni serve --api openai``): a short,
+#: well-known name outside the plugin's namespace is a warning there, an error elsewhere.
+USER_FACING_KINDS = frozenset({"pipeline", "api"})
+
+
 def _check_entry(entry: Entry, plugins: Plugins, info: PluginInfo, out: list[Problem], smoke: bool) -> None:
     pid = info.id
     if not info.builtin and not _namespaced(entry.name, _namespaces(info)):
         spaces = " or ".join(sorted(_namespaces(info)))
         out.append(Problem(pid, entry.name, f"{KIND_LABELS[entry.kind]} {entry.name!r} is not namespaced by the plugin",
                            f"rename it {info.name}.{entry.name} (names start with {spaces}), so it cannot clash "
-                           "with another plugin's", "warning" if entry.kind == "pipeline" else "error"))
+                           "with another plugin's", "warning" if entry.kind in USER_FACING_KINDS else "error"))
     if entry.kind == "pipeline":
         _check_pipeline(entry, plugins, pid, out)
         return
@@ -249,6 +256,9 @@ def _check_entry(entry: Entry, plugins: Plugins, info: PluginInfo, out: list[Pro
             pass
     elif entry.kind == "launcher" and not inspect.isclass(obj):
         out.append(Problem(pid, entry.name, "the launcher is not a class", "register a class implementing the launcher protocol"))
+    elif entry.kind == "api" and not callable(obj):
+        out.append(Problem(pid, entry.name, f"the API factory is a {type(obj).__name__}, not callable",
+                           "register a function fn(api: omni_core.serve.ApiContext) returning Starlette routes"))
 
 
 def check_distribution(distribution: str, *, smoke: bool = True) -> list[Problem]:

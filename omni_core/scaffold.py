@@ -22,11 +22,19 @@ KINDS: dict[str, str] = {
     "stage": "stages, a route and a merge function, and a pipeline that uses them",
     "relay": "a relay built on omni_core.relay.kit, tested with the relay conformance kit",
     "placement": "a placement strategy with an options schema, and a pipeline placed by it",
+    "launcher": "a launcher that wraps the local one, adding environment variables and a start log",
+    "api": "an HTTP API that omni serve mounts, in front of a pipeline of its own",
 }
 #: The hook a kind's plugin implements (for the README's ``omni plugins list --hook``).
-_HOOKS = {"stage": "stages", "relay": "relays", "placement": "placements"}
+_HOOKS = {"stage": "stages", "relay": "relays", "placement": "placements", "launcher": "launchers",
+          "api": "apis"}
 #: What a kind's generated code imports besides omni-core.
-_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"], "placement": []}
+_DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"], "placement": [], "launcher": ["attrs>=23.1"],
+                 "api": ["starlette>=0.37"]}
+#: What a kind's tests need besides pytest.
+_TEST_DEPENDENCIES = {"api": ["httpx>=0.27"]}
+#: The suffix of the class a kind's plugin defines (``$cls``).
+_CLASS_SUFFIX = {"relay": "Relay", "launcher": "Launcher"}
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -35,6 +43,19 @@ class ScaffoldError(OmniError):
 
 
 def _layout(kind: str, name: str, pkg: str) -> str:
+    if kind == "launcher":
+        return (f"- `{pkg}/plugin.py`: registers the launcher `{name}.local` by dotted path with its options "
+                "schema (configs are checked without importing it), a stage and a pipeline\n"
+                f"- `{pkg}/launcher.py`: the launcher: omni's local launcher plus environment variables and a "
+                "start log\n"
+                f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example`, launched by it\n"
+                "- `tests/`: option checks, and pipelines started through the launcher in real processes")
+    if kind == "api":
+        return (f"- `{pkg}/plugin.py`: registers the API `{name}.api` (with its options schema), a stage and "
+                "a pipeline that mounts the API\n"
+                f"- `{pkg}/api.py`: the routes `POST /v1/{name}/upper` and `GET /v1/{name}/info`\n"
+                f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example` (`serve: {{apis: [{name}.api]}}`)\n"
+                "- `tests/`: a real `omni serve` process, asked over HTTP")
     if kind == "placement":
         return (f"- `{pkg}/plugin.py`: registers `{name}.round_robin` by dotted path with its options schema\n"
                 f"- `{pkg}/placement.py`: the strategy, a pure function of a PlacementRequest\n"
@@ -53,14 +74,16 @@ def _layout(kind: str, name: str, pkg: str) -> str:
 
 def _values(name: str, kind: str) -> dict[str, str]:
     pkg, dist = f"omni_{name}", f"omni-{name.replace('_', '-')}"
-    run = (f"$ omni run {name}.example --input '{{\"n\": 4}}'" if kind == "relay" else
-           f"$ omni run {name}.example --input '{{\"text\": \"hello omni\"}}'")
+    run = "$ " + run_command(name, kind)
+    if kind == "api":
+        run += "\n$ " + serve_command(name) + "    # then, from another terminal:\n$ " + curl_command(name)
     return {
         "name": name,
         "pkg": pkg,
         "dist": dist,
         "kind": kind,
-        "cls": "".join(part.title() for part in name.split("_")) + "Relay",
+        "cls": "".join(part.title() for part in name.split("_")) + _CLASS_SUFFIX.get(kind, ""),
+        "env_var": f"{name.upper()}_GREETING",
         "kind_flag": "" if kind == "stage" else f" --kind {kind}",
         "hook": _HOOKS[kind],
         "omni_min": __version__,
@@ -68,7 +91,26 @@ def _values(name: str, kind: str) -> dict[str, str]:
         "run_example": run,
         "layout": _layout(kind, name, pkg),
         "dependencies": ", ".join(f'"{d}"' for d in [f"omni-core>={__version__}", *_DEPENDENCIES[kind]]),
+        "test_dependencies": ", ".join(f'"{d}"' for d in ["pytest>=8", "pytest-timeout>=2.2",
+                                                        *_TEST_DEPENDENCIES.get(kind, [])]),
     }
+
+
+def run_command(name: str, kind: str) -> str:
+    """The ``omni run`` line that tries a generated plugin's example pipeline."""
+    example = '{"n": 4}' if kind == "relay" else '{"text": "hello omni"}'
+    return f"omni run {name}.example --input '{example}'"
+
+
+def serve_command(name: str) -> str:
+    """The ``omni serve`` line that mounts a generated API plugin."""
+    return f"omni serve {name}.example --port 8000"
+
+
+def curl_command(name: str) -> str:
+    """A request to a generated API plugin's route, from another terminal."""
+    return (f"curl -s -X POST http://127.0.0.1:8000/v1/{name}/upper -H 'content-type: application/json' "
+            "-d '{\"text\": \"hello omni\"}'")
 
 
 def _templates(kind: str):

@@ -56,7 +56,7 @@ def test_new_kind_relay_and_placement_write_their_modules(tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [
     (["Bad-Name"], 1, "error: invalid plugin name 'Bad-Name': use lower-case letters"),
-    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay, placement"),
+    (["acme", "--kind", "relays"], 2, "error: unknown --kind 'relays' (did you mean 'relay'?); kinds: stage, relay, placement, launcher, api"),
 ])
 def test_new_refuses_bad_input_without_a_traceback(tmp_path, args, code, message):
     result = run_omni("plugins", "new", *args, "--dir", str(tmp_path))
@@ -109,6 +109,10 @@ def test_check_reports_each_problem_with_the_plugin_the_name_and_a_fix(plugin_si
     good = {p["name"]: p for p in report["distributions"]["omnitest-good"]}
     assert good["acme.upper"]["problem"] == "stage factory 'acme.upper' is not namespaced by the plugin"
     assert good["acme.upper"]["fix"].startswith("rename it good.acme.upper")
+    assert good["acme.upper"]["severity"] == "error"
+    # names users type (omni serve --api NAME, omni run NAME) may stay short: a warning
+    assert (good["acme.api"]["severity"], good["acme.api"]["problem"]) == (
+        "warning", "API 'acme.api' is not namespaced by the plugin")
     relay = [p for p in report["distributions"]["omnitest-brokenrelay"] if p["severity"] == "error"]
     assert [p["name"] for p in relay] == ["brokenrelay"]
     assert "cannot import module 'omnitest_brokenrelay.relay'" in relay[0]["problem"]
@@ -116,7 +120,7 @@ def test_check_reports_each_problem_with_the_plugin_the_name_and_a_fix(plugin_si
 
 def test_check_of_the_built_ins_is_clean_and_an_unknown_distribution_is_a_usage_error(plugin_site_dir):
     code, report = _check(plugin_site_dir, "omni-core")
-    assert (code, report) == (0, {"ok": True, "distributions": {"omni-core": []}})
+    assert (code, report) == (0, {"ok": True, "distributions": {"omni-core": []}}), report
     result = run_omni("plugins", "check", "omnitest-godo", pythonpath=plugin_site_dir)
     assert result.returncode == 2
     assert "(did you mean 'omnitest-good'?)" in result.stderr

@@ -444,3 +444,19 @@ def test_unknown_plugin_names_in_the_environment_are_warnings_with_a_guess(load)
     assert "OMNI_LOAD_PLUGINS: no installed plugin is called 'godo' (did you mean 'good'?)" in plugins.warnings
     assert "OMNI_DISABLED_PLUGINS: no installed plugin is called 'omni.relay' (did you mean 'omni.relays'?)" in plugins.warnings
     assert load("good").warnings == []
+
+
+def test_test_file_basenames_are_unique_across_distributions():
+    """The test folders have no ``__init__.py``: pytest imports each test file by its basename, so
+    two distributions' ``test_x.py`` collected in one run clash ("import file mismatch")."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    folders = [root / "tests", root / "contrib_stages" / "tests", *sorted((root / "plugins").glob("*/tests"))]
+    seen: dict[str, list[str]] = {}
+    for folder in folders:
+        for path in folder.rglob("*.py"):
+            if path.name != "conftest.py" and "__pycache__" not in path.parts:
+                seen.setdefault(path.name, []).append(str(path.relative_to(root)))
+    assert len(folders) > 3 and "test_plugins.py" in seen
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

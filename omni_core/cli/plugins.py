@@ -101,11 +101,18 @@ def plugins_list(
 def plugins_new(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The plugin's name: distribution omni-NAME, package omni_NAME, names NAME.*")],
     directory: Annotated[str, typer.Option("--dir", metavar="DIR", help="Where to create omni-NAME/ (default: the working directory).")] = ".",
-    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay or placement.")] = "stage",
+    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay, placement, launcher or api.")] = "stage",
 ) -> None:
     """Write a complete plugin distribution omni-NAME/: pyproject with the omni entry point, the
     plugin module, tests that run it in real processes, a tox matrix and a README."""
-    from ..scaffold import KINDS, ScaffoldError, new_plugin
+    from ..scaffold import (
+        KINDS,
+        ScaffoldError,
+        curl_command,
+        new_plugin,
+        run_command,
+        serve_command,
+    )
 
     if kind not in KINDS:
         guess = difflib.get_close_matches(kind, list(KINDS), n=1)
@@ -123,8 +130,10 @@ def plugins_new(
     print(f"  pip install -e {path}")
     print(f"  cd {path} && pytest")
     print(f"  omni plugins check {dist}")
-    example = '{"n": 4}' if kind == "relay" else '{"text": "hello omni"}'
-    print(f"  omni run {name}.example --input '{example}'")
+    print(f"  {run_command(name, kind)}")
+    if kind == "api":
+        print(f"  {serve_command(name)}    # then, from another terminal:")
+        print(f"  {curl_command(name)}")
 
 
 # -- omni plugins check --------------------------------------------------------------------------

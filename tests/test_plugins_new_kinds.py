@@ -1,0 +1,126 @@
+"""`omni plugins new --kind launcher` and `--kind api`: what they write, and that what they write
+works as generated: installed, its own tests pass with pytest in its folder, `omni plugins check`
+is clean, and the commands `omni plugins new` prints next (`omni run`, `omni serve` and the request
+to the API) do what they say, through the real `omni` console script.
+
+docs/plugins.md's tutorial (tests/test_plugins_tutorial.py) follows the same kinds on the page."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from plugin_fixtures import omni_command, run_omni
+
+from omni_core.scaffold import KINDS, curl_command, new_plugin
+from omni_core.testing.leaks import alive
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+LAYOUT = {
+    "launcher": ["omni_NAME/launcher.py", "omni_NAME/pipelines/example.yaml", "omni_NAME/plugin.py", "omni_NAME/stages.py"],
+    "api": ["omni_NAME/api.py", "omni_NAME/pipelines/example.yaml", "omni_NAME/plugin.py", "omni_NAME/stages.py"],
+}
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _install(site: Path, *projects: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--target", str(site), *map(str, projects)],
+        check=True, capture_output=True, text=True, timeout=180,
+    )
+
+
+def _env(site: Path, *dists: str) -> dict[str, str]:
+    """The generated plugins in ``site`` and nothing else installed (hermetic)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS")}
+    env.update(PYTHONPATH=str(site), OMNI_LOG_LEVEL="WARNING", NO_COLOR="1", OMNI_LOAD_PLUGINS=",".join(dists))
+    return env
+
+
+def test_the_kinds_are_known():
+    assert list(KINDS) == ["stage", "relay", "placement", "launcher", "api"]
+
+
+@pytest.mark.parametrize("kind", ["launcher", "api"])
+def test_new_writes_a_complete_distribution_of_the_kind(tmp_path, kind):
+    name = f"new{kind}"
+    result = run_omni("plugins", "new", name, "--dir", str(tmp_path), "--kind", kind)
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / f"omni-{name}"
+    expected = ["README.md", f"omni_{name}/__init__.py", "pyproject.toml", f"tests/test_omni_{name}.py", "tox.ini"]
+    expected += [f.replace("NAME", name) for f in LAYOUT[kind]]
+    assert _files(root) == sorted(expected)
+    for path in root.rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert "$name" not in text and "$pkg" not in text and "${" not in text, path
+            if path.suffix == ".py":
+                compile(text, str(path), "exec")  # valid Python, whatever the name
+    pyproject = (root / "pyproject.toml").read_text()
+    assert f'name = "omni-{name}"' in pyproject and f'{name} = "omni_{name}.plugin"' in pyproject
+    assert "py{310,311,312,313}-omni{installed,min}" in (root / "tox.ini").read_text()
+    readme = (root / "README.md").read_text()
+    assert f"omni plugins new {name} --kind {kind}" in readme and f"omni plugins list --hook {kind}s" in readme
+    assert f"$ omni run {name}.example" in readme
+    lines = result.stdout.splitlines()
+    assert f"  pip install -e {root}" in lines and f"  omni plugins check omni-{name}" in lines
+    assert f"  omni run {name}.example --input '{{\"text\": \"hello omni\"}}'" in lines
+
+
+def test_the_api_kind_declares_what_its_tests_import_and_tells_how_to_serve_it(tmp_path):
+    root = new_plugin("webby", tmp_path, "api")
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'test = ["pytest>=8", "pytest-timeout>=2.2", "httpx>=0.27"]' in pyproject
+    assert '"starlette>=0.37"' in pyproject
+    readme = (root / "README.md").read_text()
+    assert "$ omni serve webby.example --port 8000" in readme and f"$ {curl_command('webby')}" in readme
+    result = run_omni("plugins", "new", "webbier", "--dir", str(tmp_path), "--kind", "api")
+    assert "  omni serve webbier.example --port 8000    # then, from another terminal:" in result.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_generated_launcher_and_api_plugins_pass_their_tests_check_clean_and_do_what_new_prints(tmp_path):
+    site = tmp_path / "site"
+    launcher, api = new_plugin("kitlaunch", tmp_path, "launcher"), new_plugin("kitapi", tmp_path, "api")
+    _install(site, launcher, api)
+    env = _env(site, "omni-kitlaunch", "omni-kitapi")
+    for project, passed in ((launcher, "4 passed"), (api, "7 passed")):
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project,
+                               env=env, capture_output=True, text=True, timeout=400)
+        assert tests.returncode == 0, tests.stdout + tests.stderr
+        assert passed in tests.stdout, tests.stdout
+    checked = subprocess.run([*omni_command(), "plugins", "check", "omni-kitlaunch", "omni-kitapi"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[:2] == ["omni-kitlaunch: ok", "omni-kitapi: ok"]
+
+    # omni run through the launcher: its environment reached both stage processes
+    ran = subprocess.run([*omni_command(), "run", "kitlaunch.example", "--input", '{"text": "hello omni"}'],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["greetings"] == ["hello from kitlaunch.local"] * 2 and len(set(result["pids"])) == 2
+    assert not any(alive(pid) for pid in result["pids"])
+
+    # omni serve, then the request `omni plugins new` prints (sent to the server's actual port)
+    curl = shlex.split(curl_command("kitapi"))
+    url, body = curl[curl.index("-X") + 2], curl[curl.index("-d") + 1]
+    with ServerProcess("kitapi.example", env=env) as server:
+        port_url = url.replace("http://127.0.0.1:8000", server.url)
+        answer = httpx.post(port_url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"text": "HELLO OMNI", "stages": ["first", "last"], "pipeline": "kitapi-example"}
+    assert server.returncode == 0, server.output()
+    server.assert_nothing_left()
