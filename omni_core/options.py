@@ -62,6 +62,8 @@ class Option:
     default: Any = None
     help: str = ""
     choices: tuple[Any, ...] = ()
+    #: ``null`` is a value too (``text_stage: null``: there is none).
+    nullable: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.type not in TYPES:
@@ -77,14 +79,18 @@ class Option:
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` does not fit (None: it does)."""
+        if value is None and self.nullable:
+            return None
         if _CHECKS[self.type](value) and (self.type != "choice" or value in self.choices):
             return None
-        return f"expected {self.expected}, got {value!r}"
+        return f"expected {self.expected}{' or null' if self.nullable else ''}, got {value!r}"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "default": self.default, "help": self.help}
         if self.choices:
             out["choices"] = list(self.choices)
+        if self.nullable:
+            out["nullable"] = True
         return out
 
 

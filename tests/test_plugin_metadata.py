@@ -219,3 +219,20 @@ def test_the_tp_backend_is_chosen_per_device_by_the_plan():
 
     assert ProcessSpec(name="t.0", group="t", stages=("t",), tp_size=2).tp_backend == TP_BACKENDS["cpu"] == "gloo"
     assert ProcessSpec(name="t.1", group="t", stages=("t",), tp_size=2, gpu=1).tp_backend == "nccl"
+
+
+def test_a_serve_api_s_options_are_checked_against_its_declared_schema():
+    def omni_register_apis(register):
+        register("meta.api", "meta_api:make_routes", options={"greeting": Option("str", "hi", "what it says"),
+                                                              "limit": positive_int(8, "at most this many"),
+                                                              "voice": Option("str", None, nullable=True)})
+
+    registry = load_plugins(env=CORE_ONLY, extra=[("meta", _plugin(omni_register_apis=omni_register_apis))]).registry
+    ok = _config(serve={"apis": ["meta.api"], "options": {"meta.api": {"greeting": "yo", "voice": None}}})
+    assert _messages(ok, registry) == []
+    bad = _config(serve={"apis": ["meta.api"], "options": {"meta.api": {"limit": "8", "greting": "x", "voice": 3}}})
+    assert _messages(bad, registry) == [
+        "serve.options.meta.api.limit: expected a positive integer, got '8' (default 8) (at most this many)",
+        "serve.options.meta.api.greting: unknown option 'greting' for API 'meta.api' (did you mean 'greeting'?)",
+        "serve.options.meta.api.voice: expected a string or null, got 3",
+    ]

@@ -43,24 +43,12 @@ import wave
 from collections.abc import Mapping
 from typing import Any
 
-#: Adapter options and their defaults.
-DEFAULTS: dict[str, Any] = {
-    "prompt_key": "text",
-    "max_tokens_key": None,
-    "inputs": {},
-    "text_inputs": {},
-    "audio_inputs": {},
-    "text_stage": None,
-    "text_field": "text",
-    "text_joiner": " ",
-    "result_text_field": "text",
-    "audio_stage": None,
-    "audio_field": "pcm16",
-    "sample_rate": 24000,
-    "sample_rate_field": "sample_rate",
-    "voices": None,
-    "voice_key": None,
-}
+from omni_core.options import parse_options
+
+from .openai_options import OPTIONS
+
+#: Adapter options and their defaults (the schema is :data:`.openai_options.OPTIONS`).
+DEFAULTS: dict[str, Any] = {name: option.default for name, option in OPTIONS.items()}
 
 AUDIO_FORMATS = ("wav", "pcm16")
 
@@ -83,13 +71,9 @@ class BadRequest(Exception):
 
 
 def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[str, Any]:
-    """The adapter's options with defaults; unknown keys are an error naming the known ones."""
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"serve.options.openai: unknown option(s) {unknown}; known: {', '.join(DEFAULTS)}"
-        )
-    opts = {**DEFAULTS, **options}
+    """The adapter's options with defaults, checked against the schema the API registered (an
+    ``OptionsError``, a ValueError, lists every problem with its path) and against the pipeline."""
+    opts = parse_options(OPTIONS, options, "serve.options.openai", owner="API 'openai'")
     terminals = list(pipeline_config.terminal_stages)
     if opts["text_stage"] is None:
         opts["text_stage"] = terminals[0]
@@ -99,12 +83,6 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
                 f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
                 f"(stages: {', '.join(pipeline_config.stage_names)})"
             )
-    rate = opts["sample_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-        raise ValueError(f"serve.options.openai.sample_rate: a positive integer (Hz), got {rate!r}")
-    for key in ("voice_key", "sample_rate_field", "max_tokens_key"):
-        if opts[key] is not None and not isinstance(opts[key], str):
-            raise ValueError(f"serve.options.openai.{key}: a string or null, got {opts[key]!r}")
     voices = opts["voices"]
     if voices is not None and (
         not isinstance(voices, list) or not all(isinstance(v, str) for v in voices)

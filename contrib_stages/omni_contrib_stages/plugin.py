@@ -75,5 +75,7 @@ APIS: tuple[tuple[str, str, str], ...] = (
 
 @omni_core.hookimpl
 def omni_register_apis(register):
+    from .openai_options import OPTIONS  # the schema alone: the API is imported when mounted
+
     for name, target, description in APIS:
-        register(name, target, description=description)
+        register(name, target, description=description, options=OPTIONS)

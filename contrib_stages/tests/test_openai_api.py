@@ -198,3 +198,31 @@ def test_adapter_options_are_checked_against_the_pipeline():
             "demo",
             adapter_options({}, cfg),
         )
+
+
+def test_omni_validate_checks_the_adapter_options_against_the_schema_the_api_registered(tmp_path):
+    """Wrong adapter options are config errors with their path before anything starts, not a
+    server that fails at start-up (the schema is registration metadata: nothing is imported)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "served.yaml"
+    config.write_text(
+        "name: served\n"
+        "stages:\n"
+        "  - {name: talk, factory: contrib.tee, terminal: true}\n"
+        "serve:\n"
+        "  apis: [openai]\n"
+        "  options:\n"
+        "    openai: {sample_rate: '24000', txt_stage: talk, voice_key: null}\n"
+    )
+    omni = str(Path(sys.executable).parent / "omni")
+    done = subprocess.run([omni, "validate", str(config)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert "serve.options.openai.sample_rate: expected a positive integer, got '24000'" in out
+    assert "serve.options.openai.txt_stage: unknown option 'txt_stage' for API 'openai' (did you mean 'text_stage'?)" in out
+    assert "voice_key" not in out and "Traceback" not in out
+    with pytest.raises(ValueError, match="serve.options.openai.sample_rate"):
+        adapter_options({"sample_rate": "24000"}, load_config("demo"))

@@ -1,5 +1,5 @@
-"""The options a config gives relays, placement strategies and launchers, checked against the
-schemas those plugins declared when they registered (see :mod:`omni_core.options`).
+"""The options a config gives relays, placement strategies, launchers and serve APIs, checked
+against the schemas those plugins declared when they registered (see :mod:`omni_core.options`).
 
 Nothing a plugin registered lazily is imported: a schema is registration metadata. A name whose
 plugin declared no schema is not checked here (its own code checks its options when it runs).
@@ -34,8 +34,8 @@ def _relay_sections(cfg: PipelineConfig) -> Iterator[tuple[str, RelayConfig]]:
 
 
 def options_issues(cfg: PipelineConfig, registry: Registry) -> list[ConfigIssue]:
-    """Every problem of ``relay.options`` (and each stage's), ``placement.options`` and
-    ``launcher.options``, with its config path: ``relay.options.slots: expected a positive
+    """Every problem of ``relay.options`` (and each stage's), ``placement.options``,
+    ``launcher.options`` and ``serve.options.<api>``, with its config path: ``relay.options.slots: expected a positive
     integer, got '8'``. Under ``relay: auto`` the options are keyed by relay name
     (``{shm: {slots: 8}}``) and each mapping is checked against that relay's schema."""
     issues: list[ConfigIssue] = []
@@ -57,4 +57,8 @@ def options_issues(cfg: PipelineConfig, registry: Registry) -> list[ConfigIssue]
         if schema is not None:
             owner = f"placement strategy {name!r}" if kind == "placement" else f"launcher {name!r}"
             issues += option_issues(schema, options, path, owner=owner)
+    for name, options in cfg.serve.options.items():  # serve.options is keyed by API name
+        schema = _schema(registry, "api", name)
+        if schema is not None:
+            issues += option_issues(schema, options, f"serve.options.{name}", owner=f"API {name!r}")
     return issues
