@@ -49,19 +49,54 @@ async def _chain(stages: int, inflight: int, requests: int) -> dict:
             "stage_mean_us": round(sum(per.values()) / len(per), 1)}
 
 
+async def _stream(relay: str, streams: int, chunks: int, requests: int) -> dict:
+    from omni_core import Pipeline
+
+    from .stages import stream_pair
+
+    async with Pipeline(stream_pair(relay=relay, name="bench-hot-stream")) as p:
+        pids = {k: v for k, v in p.pids().items()}
+        payload = {"chunks": chunks}
+        for _ in range(20):
+            await p.submit(payload)
+        left = requests
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                out = await p.submit(payload)
+                assert out["sink"]["n"] == chunks and not out["sink"]["bad"], out["sink"]
+
+        before = {role: _clock_ns(pid) for role, pid in pids.items()}
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        wall = time.perf_counter() - t0
+        after = {role: _clock_ns(pid) for role, pid in pids.items()}
+    total = requests * chunks
+    per = {role: round((after[role] - before[role]) / 1e3 / total, 1) for role in pids}
+    return {"chunks/s": round(total / wall), "us_per_chunk": per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--inflight", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--stream", metavar="RELAY", help="the stream scenario's pipeline over RELAY instead")
+    ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--profile", metavar="DIR", help="cProfile every stage process into DIR/<process>.prof")
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ["OMNI_PROFILE_DIR"] = os.path.abspath(args.profile)
     for _ in range(args.repeat):
-        print(json.dumps(asyncio.run(_chain(args.stages, args.inflight, args.requests))), flush=True)
+        if args.stream:
+            result = asyncio.run(_stream(args.stream, args.inflight, args.chunks, args.requests))
+        else:
+            result = asyncio.run(_chain(args.stages, args.inflight, args.requests))
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
