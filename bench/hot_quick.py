@@ -45,8 +45,12 @@ async def _chain(stages: int, inflight: int, requests: int) -> dict:
         me = time.process_time_ns() - me0
         after = {role: _clock_ns(pid) for role, pid in pids.items()}
     per = {role: round((after[role] - before[role]) / 1e3 / requests, 1) for role in pids}
-    return {"req/s": round(requests / wall), "caller_us": round(me / 1e3 / requests, 1), "stages_us": per,
-            "stage_mean_us": round(sum(per.values()) / len(per), 1)}
+    return {
+        "req/s": round(requests / wall),
+        "caller_us": round(me / 1e3 / requests, 1),
+        "stages_us": per,
+        "stage_mean_us": round(sum(per.values()) / len(per), 1),
+    }
 
 
 async def _stream(relay: str, streams: int, chunks: int, requests: int) -> dict:
@@ -84,9 +88,13 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--stream", metavar="RELAY", help="the stream scenario's pipeline over RELAY instead")
+    ap.add_argument(
+        "--stream", metavar="RELAY", help="the stream scenario's pipeline over RELAY instead"
+    )
     ap.add_argument("--chunks", type=int, default=64)
-    ap.add_argument("--profile", metavar="DIR", help="cProfile every stage process into DIR/<process>.prof")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="cProfile every stage process into DIR/<process>.prof"
+    )
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _data(rid: int, nframes: int) -> wire.Data:
-    return wire.Data("work", rid, f"r{rid}", "s", "", b"\x80", "inline" if nframes else "", b"h", nframes)
+    return wire.Data(
+        "work", rid, f"r{rid}", "s", "", b"\x80", "inline" if nframes else "", b"h", nframes
+    )
 
 
 def test_messages_posted_during_a_hold_leave_as_one_zmq_message_in_order(tmp_path):
@@ -26,6 +28,7 @@ def test_messages_posted_during_a_hold_leave_as_one_zmq_message_in_order(tmp_pat
     pull.bind(address)
     outbox = Outbox(ctx)
     try:
+
         async def body():
             outbox.hold()
             outbox.post(address, _data(1, 2), [b"a" * 5, b"b" * 7])
@@ -55,14 +58,18 @@ def test_an_inbox_hands_a_batch_out_message_by_message_and_drops_a_malformed_one
     got: list = []
 
     async def body():
-        inbox = Inbox(ctx, address, lambda msg, frames: got.append((msg, [bytes(f.buffer) for f in frames])))
+        inbox = Inbox(
+            ctx, address, lambda msg, frames: got.append((msg, [bytes(f.buffer) for f in frames]))
+        )
         inbox.start()
         push = ctx.socket(zmq.PUSH)
         push.connect(address)
         try:
             bad = wire.Batch([_data(9, 2), wire.Credit(9, "s", "t", 1)])
             push.send_multipart([wire.encode(bad), b"only one"])  # announces 2 frames, carries 1
-            good = wire.Batch([_data(1, 1), wire.Credit(1, "s", "t", 2), _data(2, 2), wire.Forget(2)])
+            good = wire.Batch(
+                [_data(1, 1), wire.Credit(1, "s", "t", 2), _data(2, 2), wire.Forget(2)]
+            )
             push.send_multipart([wire.encode(good), b"x", b"y", b"z"])
             push.send(wire.encode(wire.Forget(3)))  # a message on its own still works
             deadline = asyncio.get_running_loop().time() + 10
@@ -78,5 +85,9 @@ def test_an_inbox_hands_a_batch_out_message_by_message_and_drops_a_malformed_one
     finally:
         ctx.term()
     assert [(type(m).__name__, m.rid, frames) for m, frames in got] == [
-        ("Data", 1, [b"x"]), ("Credit", 1, []), ("Data", 2, [b"y", b"z"]), ("Forget", 2, []), ("Forget", 3, []),
+        ("Data", 1, [b"x"]),
+        ("Credit", 1, []),
+        ("Data", 2, [b"y", b"z"]),
+        ("Forget", 2, []),
+        ("Forget", 3, []),
     ]

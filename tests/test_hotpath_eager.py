@@ -39,15 +39,22 @@ class Checks:
             await asyncio.sleep(30)
         async with asyncio.timeout(5):  # usable from the first line
             pass
-        return {"task": task is not None, "before": before, "same": _seen.get() == ctx.request_id,
-                "after": asyncio.current_task() is not None}
+        return {
+            "task": task is not None,
+            "before": before,
+            "same": _seen.get() == ctx.request_id,
+            "after": asyncio.current_task() is not None,
+        }
 
 
 def _cfg() -> dict:
-    return {"name": "hotpath-eager", "stages": [
-        {"name": "a", "factory": "test_hotpath_eager:Checks", "next": "b"},
-        {"name": "b", "factory": "omni_test_stages:Echo", "terminal": True},
-    ]}
+    return {
+        "name": "hotpath-eager",
+        "stages": [
+            {"name": "a", "factory": "test_hotpath_eager:Checks", "next": "b"},
+            {"name": "b", "factory": "omni_test_stages:Echo", "terminal": True},
+        ],
+    }
 
 
 def test_a_call_sees_a_task_and_its_own_context_from_its_first_line():
