@@ -386,6 +386,9 @@ class Coordinator:
     def fail_all(self, error: Callable[[Request], BaseException]) -> None:
         for req in list(self.requests.values()):
             self.finish(req, error=error(req))
+        if self._timer is not None:  # the pipeline stopped: no deadline left to watch
+            self._timer.cancel()
+            self._timer = None
 
     async def drain(self, deadline: float) -> None:
         """Wait for the requests in flight, until ``deadline`` (monotonic)."""
