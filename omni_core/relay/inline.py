@@ -8,6 +8,7 @@ to free.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -61,30 +62,65 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
+def tensor_frame(tensor: torch.Tensor) -> bytes:
+    """A copy of a tensor's bytes, for a frame: one ``memcpy`` for a plain contiguous CPU tensor
+    (no chain of views), :func:`tensor_bytes` for anything else."""
+    if (tensor.layout is torch.strided and tensor.device.type == "cpu" and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg()):
+        nbytes = tensor.nbytes
+        return ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+    return tensor_bytes(tensor).tobytes()
+
+
 def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A tensor viewing ``buf`` (no copy)."""
     if memoryview(buf).nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
+    if dtype in _DIRECT:
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).view(tuple(shape))
+
+
+# dtypes torch.frombuffer reads directly (the others go through uint8 bytes).
+_DIRECT = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                     torch.int16, torch.int8, torch.uint8, torch.bool})
+
+#: Handles (and their checked specs) of the tensor layouts seen last: a stream sends the same
+#: dtypes and shapes chunk after chunk, so neither side encodes, decodes or checks them again.
+_HANDLES: dict[tuple, bytes] = {}
+_SPECS: dict[bytes, list] = {}
+_CACHE_SIZE = 256
 
 
 def inline_transfer(tensors: Sequence[torch.Tensor]) -> Transfer:
     """Tensors as frames of their own bytes. The bytes are copied here, once: zmq sends frames
     later from its I/O thread, and the caller may change or free its tensors as soon as ``put``
     returned (a stage reusing an output buffer, a relay slot being released)."""
-    meta = _Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors])
-    return Transfer(_encode(meta), [tensor_bytes(t).tobytes() for t in tensors])
+    key = tuple((t.dtype, t.shape) for t in tensors)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        handle = _encode(_Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]))
+        if len(_HANDLES) >= _CACHE_SIZE:
+            _HANDLES.clear()
+        _HANDLES[key] = handle
+    return Transfer(handle, [tensor_frame(t) for t in tensors])
 
 
 def inline_tensors(handle: bytes, frames: Sequence[Any]) -> list[torch.Tensor]:
     """The tensors of an ``inline_transfer``, after checking the handle against the frames: one
     frame per declared tensor, each exactly its dtype times shape in bytes (so a forged handle
     can neither read past a frame nor make this process allocate what it declares)."""
-    from .checks import decode, tensor_specs
+    specs = _SPECS.get(handle) if type(handle) is bytes else None
+    if specs is None:
+        from .checks import decode, tensor_specs
 
-    meta = decode(_decode, handle, "inline")
-    specs = tensor_specs(meta.dtypes, meta.shapes, "inline")
+        meta = decode(_decode, handle, "inline")
+        specs = tensor_specs(meta.dtypes, meta.shapes, "inline")
+        if type(handle) is bytes:
+            if len(_SPECS) >= _CACHE_SIZE:
+                _SPECS.clear()
+            _SPECS[handle] = specs
     if len(frames) != len(specs):
         raise InvalidHandle(f"inline relay: {len(frames)} frames for {len(specs)} tensors")
     out = []

@@ -79,21 +79,41 @@ def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch
         _state.tensors, _state.allow_pickle = outer
 
 
+class _UnpackState(threading.local):
+    """What the decoder's hook of the current ``unpack`` call reads (one per thread)."""
+
+    tensors: list | None = None
+    allow_pickle: bool = False
+
+
+_ustate = _UnpackState()
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    tensors = _ustate.tensors
+    if code == _TENSOR:
+        return tensors[int.from_bytes(data, "little")]
+    if code == _NDARRAY:
+        return tensors[int.from_bytes(data, "little")].numpy()
+    if code == _PICKLE:
+        if not _ustate.allow_pickle:
+            raise PayloadError("received a pickled value but this pipeline does not allow pickle")
+        return pickle.loads(data)
+    raise PayloadError(f"unknown payload extension {code}")
+
+
+# One module-level decoder, as for the encoder: no decoder and hook closure per call.
+_decode = msgspec.msgpack.Decoder(ext_hook=_ext_hook).decode
+
+
 def unpack(skeleton: bytes, tensors: list[torch.Tensor], *, allow_pickle: bool = False) -> Any:
     """Rebuild the payload from ``pack``'s output (tensors in the same order)."""
-
-    def ext_hook(code: int, data: memoryview) -> Any:
-        if code == _TENSOR:
-            return tensors[int.from_bytes(data, "little")]
-        if code == _NDARRAY:
-            return tensors[int.from_bytes(data, "little")].numpy()
-        if code == _PICKLE:
-            if not allow_pickle:
-                raise PayloadError("received a pickled value but this pipeline does not allow pickle")
-            return pickle.loads(data)
-        raise PayloadError(f"unknown payload extension {code}")
-
-    return msgspec.msgpack.decode(skeleton, ext_hook=ext_hook)
+    outer = (_ustate.tensors, _ustate.allow_pickle)  # a hook may unpack again (pickle of a payload)
+    _ustate.tensors, _ustate.allow_pickle = tensors, allow_pickle
+    try:
+        return _decode(skeleton)
+    finally:
+        _ustate.tensors, _ustate.allow_pickle = outer
 
 
 _LEAVES = (str, bytes, bytearray, int, float, bool, type(None), torch.Tensor, np.ndarray, np.generic)

@@ -34,6 +34,9 @@ log = get_logger()
 
 Handler = Callable[[wire.Message, list[zmq.Frame]], None]
 
+#: At most this many messages travel in one batch.
+_BATCH = 256
+
 
 def _new_context() -> zmq.Context:
     return zmq.Context(io_threads=1)
@@ -44,7 +47,8 @@ class Inbox:
     event loop. Malformed messages are logged and dropped; an exception in the handler is logged
     and never stops the inbox."""
 
-    def __init__(self, ctx: zmq.Context, address: str, handler: Handler, *, name: str = ""):
+    def __init__(self, ctx: zmq.Context, address: str, handler: Handler, *, name: str = "",
+                 outbox: Outbox | None = None):
         sock = adopt_inbox(address)
         if sock is None:
             if address.startswith("tcp://"):
@@ -57,6 +61,8 @@ class Inbox:
         self.address = address
         self.handler = handler
         self.name = name
+        #: Held while a drain runs: what its handlers post leaves together at the end of the drain.
+        self.outbox = outbox
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -66,7 +72,20 @@ class Inbox:
         self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
+        outbox = self.outbox
+        if outbox is None:
+            self._read()
+            return
+        outbox.hold()
+        try:
+            self._read()
+        finally:
+            outbox.release()
+
+    def _read(self) -> None:
         sock = self.sock
+        handler = self.handler
+        outbox = self.outbox
         handled = 0
         while True:
             try:
@@ -85,10 +104,30 @@ class Inbox:
             except Exception as exc:
                 log.warning("dropped a malformed control message", inbox=self.name, error=str(exc))
                 continue
+            if type(msg) is wire.Batch:
+                self._unbatch(msg.messages, frames)
+            else:
+                try:
+                    handler(msg, frames[1:])
+                except Exception:
+                    log.exception("control message handler failed", inbox=self.name, message=type(msg).__name__)
+            if outbox is not None and handled % 64 == 0:  # a long drain: let the outputs go meanwhile
+                outbox.flush()
+
+    def _unbatch(self, messages: list, frames: list) -> None:
+        counts = [m.nframes if type(m) is wire.Data else 0 for m in messages]
+        if sum(counts) != len(frames) - 1:
+            log.warning("dropped a malformed control message", inbox=self.name,
+                        error=f"a batch announced {sum(counts)} frames and carried {len(frames) - 1}")
+            return
+        handler = self.handler
+        start = 1
+        for msg, count in zip(messages, counts, strict=True):
             try:
-                self.handler(msg, frames[1:])
+                handler(msg, frames[start:start + count] if count else [])
             except Exception:
                 log.exception("control message handler failed", inbox=self.name, message=type(msg).__name__)
+            start += count
 
     def close(self) -> None:
         if self._loop is not None and not self.sock.closed:
@@ -112,6 +151,7 @@ class Outbox:
         self._pending: dict[str, list] = {}  # posted this loop turn, sent at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: deque | None = None
+        self._held = 0  # > 0 while an inbox drains: posts wait for its end
 
     def _sock(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -157,7 +197,7 @@ class Outbox:
         backlog = self._backlog.get(address)
         if not backlog:
             pending = self._pending
-            if pending:
+            if pending or self._held:
                 queued = pending.get(address)
                 if queued is None:
                     pending[address] = [(msg, frames)]
@@ -173,15 +213,43 @@ class Outbox:
                 return None
         return self._queue(address, msg, frames)
 
+    def hold(self) -> None:
+        """Posts wait until :meth:`release` (an inbox drains: its handlers' outputs leave together)."""
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
+        if not self._held and self._pending:
+            self._send_pending()
+
+    def flush(self) -> None:
+        """Send what waits for the end of the turn or of a hold now."""
+        if self._pending:
+            self._send_pending()
+
     def _send_pending(self) -> None:
-        """Send what was posted during the last loop turn, a burst per peer, order kept."""
+        """Send what was posted during the last loop turn (or hold), order kept: several
+        messages to one peer leave as one zmq message (:class:`~.wire.Batch`)."""
         pending, self._pending = self._pending, {}
         for address, messages in pending.items():
             sock = self._sock(address)
-            for i, (msg, frames) in enumerate(messages):
-                if self._backlog.get(address) or not self._try(sock, msg, frames):
-                    for later_msg, later_frames in messages[i:]:
-                        self._queue(address, later_msg, later_frames)
+            if self._backlog.get(address):
+                for msg, frames in messages:
+                    self._queue(address, msg, frames)
+                continue
+            for start in range(0, len(messages), _BATCH):
+                chunk = messages[start:start + _BATCH]
+                if len(chunk) == 1:
+                    msg, frames = chunk[0]
+                else:
+                    msg = wire.Batch([m for m, _ in chunk])
+                    frames = [f for _, fs in chunk for f in fs]
+                if not self._try(sock, msg, frames):
+                    self._queue(address, msg, frames)
+                    for later in range(start + _BATCH, len(messages), _BATCH):
+                        later_chunk = messages[later:later + _BATCH]
+                        self._queue(address, wire.Batch([m for m, _ in later_chunk]) if len(later_chunk) > 1 else later_chunk[0][0],
+                                    [f for _, fs in later_chunk for f in fs])
                     break
 
     def _queue(self, address: str, msg: Any, frames: Sequence[Any]) -> asyncio.Future:

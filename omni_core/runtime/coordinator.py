@@ -66,6 +66,8 @@ class Coordinator:
         self._relay: Relay | None = None
         self._batch = max(1, config.limits.stream_buffer // 4)
         self._behind: set[str] = set()  # processes that may remember ended requests
+        self._deadlines: dict[int, float] = {}  # rid -> loop time its request times out
+        self._timer: asyncio.TimerHandle | None = None  # at the oldest request's deadline
 
     def bind(self, plan: Plan) -> None:
         """Learn the plan: which processes keep per-request state, and which ones a request may
@@ -120,7 +122,9 @@ class Coordinator:
         self.by_id[request_id] = rid
         timeout = self.config.limits.request_timeout
         if timeout:
-            req.timer = loop.call_later(timeout, self._on_timeout, req)
+            self._deadlines[rid] = deadline = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(deadline, self._on_deadline)
         return req
 
     def _terminals_for(self, inputs: Any, request_id: str) -> set[str]:
@@ -139,6 +143,26 @@ class Coordinator:
             raise StageError(f"terminal_stages_fn {fn_name!r} returned {answer!r}; expected a non-empty subset of {terminals}",
                              stage="terminal_stages_fn", request_id=request_id, error_type="WiringError")
         return set(names)
+
+    def _on_deadline(self) -> None:
+        """The one timer of the requests' deadlines: they come in admission (rid) order, since
+        every request gets the same ``limits.request_timeout``, so the oldest request in flight
+        has the nearest one. Time out what is due, then wait for the next oldest."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = []
+        for rid, req in self.requests.items():
+            deadline = self._deadlines.get(rid)
+            if deadline is None:
+                continue
+            if deadline > now:
+                self._timer = loop.call_at(deadline, self._on_deadline)
+                break
+            due.append(req)
+        for req in due:
+            if req.rid in self.requests:
+                self._on_timeout(req)
 
     def _on_timeout(self, req: Request) -> None:
         self.finish(req, error=RequestTimeout(
@@ -236,9 +260,14 @@ class Coordinator:
             return
         if isinstance(msg, wire.Data):
             if msg.relay:
-                self.ordered.wait(rid, lambda: self._receive(msg, frames))
-            else:
+                self.ordered.start(rid, lambda: self._receive(msg, frames))
+            elif self.ordered.busy(rid):  # behind a message of the request still being fetched
                 self.ordered.run(rid, lambda: self._decoded(msg, []))
+            else:
+                try:
+                    self._decoded(msg, [])
+                except Exception:
+                    self.log.exception("message handling failed")
         elif isinstance(msg, wire.Failed):
             self.ordered.run(rid, lambda: self._failed(msg))
         elif isinstance(msg, wire.Dropped):
@@ -314,6 +343,7 @@ class Coordinator:
         if self.by_id.get(req.request_id) == req.rid:
             del self.by_id[req.request_id]
         self.ordered.drop(req.rid)
+        self._deadlines.pop(req.rid, None)  # the timer, when it fires, waits for the next oldest
         if req.timer is not None:
             req.timer.cancel()
         floor = self.floor
@@ -356,6 +386,9 @@ class Coordinator:
     def fail_all(self, error: Callable[[Request], BaseException]) -> None:
         for req in list(self.requests.values()):
             self.finish(req, error=error(req))
+        if self._timer is not None:  # the pipeline stopped: no deadline left to watch
+            self._timer.cancel()
+            self._timer = None
 
     async def drain(self, deadline: float) -> None:
         """Wait for the requests in flight, until ``deadline`` (monotonic)."""

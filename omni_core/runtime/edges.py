@@ -92,17 +92,19 @@ class Edges:
         """Put ``tensors`` through the edge's relay: ``(wire relay name, handle, frames)``.
         Tensors on a device that relay cannot move (CPU tensors on a GPU-only relay) go through
         ``inline`` beside them, in one message."""
-        metrics.relay_bytes(relay_name, self.process, target, sum(t.numel() * t.element_size() for t in tensors))
-        relay = self.relay(relay_name)
+        metrics.relay_bytes(relay_name, self.process, target,
+                            tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors))
+        relay = self.relays.get(relay_name) or self.relay(relay_name)
         devices = self._devices.get(relay_name)
         if devices is None:  # what it can move: its registration's word, else its class's
             entry = self.registry.get("relay", relay_name) if relay_name != CALLER_RELAY else None
             declared = getattr(entry, "capabilities", None) if entry is not None else None
             devices = self._devices[relay_name] = (as_capabilities(declared) if declared else relay.capabilities).devices
-        fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
-        if len(fits) == len(tensors):
+        if all(t.device.type in devices for t in tensors):
             transfer = await relay.put(rid, tensors, target)
-            return relay_name, transfer.handle, list(transfer.frames)
+            frames = transfer.frames
+            return relay_name, transfer.handle, frames if type(frames) is list else list(frames)
+        fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
         fitting = set(fits)
         rest = [i for i in range(len(tensors)) if i not in fitting]
         split = _Split([], [], [], [])
@@ -152,11 +154,12 @@ class Edges:
     async def _get_one(self, relay_name: str, handle: bytes, frames: list, inbound: Inbound) -> list:
         if relay_name == SPLIT_RELAY:
             raise InvalidHandle("a split handle cannot nest another split")
-        relay = self.relay(relay_name)
+        relay = self.relays.get(relay_name) or self.relay(relay_name)
         tensors = await relay.get(handle, frames)
         if type(relay).release is not Relay.release:
             inbound.releases.append(lambda: relay.release(handle))
-        inbound.storages |= lent_storages(relay, tensors)
+        if type(relay) is not InlineRelay:  # inline tensors view frames this process owns
+            inbound.storages |= lent_storages(relay, tensors)
         return tensors
 
     @staticmethod

@@ -76,30 +76,41 @@ class Windows:
 
     def __init__(self, credits: int):
         self.initial = credits
-        self._windows: dict[tuple[int, str, str], Window] = {}
+        self._windows: dict[int, dict[tuple[str, str], Window]] = {}  # rid -> (src, dst) -> window
 
     def __len__(self) -> int:
-        return len(self._windows)
+        return sum(len(per) for per in self._windows.values())
 
     def requests(self) -> set[int]:
-        return {key[0] for key in self._windows}
+        return set(self._windows)
 
     def get(self, rid: int, src: str, dst: str) -> Window:
-        key = (rid, src, dst)
-        window = self._windows.get(key)
+        per = self._windows.get(rid)
+        if per is None:
+            per = self._windows[rid] = {}
+        window = per.get((src, dst))
         if window is None:
-            window = self._windows[key] = Window(self.initial)
+            window = per[(src, dst)] = Window(self.initial)
         return window
 
     def grant(self, rid: int, src: str, dst: str, n: int, closed: bool = False) -> None:
-        window = self._windows.get((rid, src, dst))
+        per = self._windows.get(rid)
+        window = per.get((src, dst)) if per is not None else None
         if window is not None:
             window.grant(n, closed)
 
     def drop(self, rid: int, src: str | None = None) -> None:
         """Forget the windows of request ``rid`` (of source ``src`` only, when given)."""
-        for key in [k for k in self._windows if k[0] == rid and (src is None or k[1] == src)]:
-            del self._windows[key]
+        per = self._windows.get(rid)
+        if per is None:
+            return
+        if src is None:
+            del self._windows[rid]
+            return
+        for key in [k for k in per if k[0] == src]:
+            del per[key]
+        if not per:
+            del self._windows[rid]
 
 
 class StreamBuffer:

@@ -167,7 +167,7 @@ class Host:
 
     def _on_data(self, msg: wire.Data, frames: list) -> None:
         rid = msg.rid
-        if self.is_ended(rid):
+        if rid < self.floor or rid in self.ended:
             return
         if msg.stage not in self.stages:
             self.fail(rid, msg.stage or "?", WiringError(
@@ -181,9 +181,14 @@ class Host:
             self.fail(rid, msg.stage, ValueError(f"a message for stage {msg.stage!r} has the unknown kind {msg.kind!r}"))
             return
         if msg.relay:
-            self.ordered.wait(rid, lambda: self._receive(msg, frames))
-        else:
+            self.ordered.start(rid, lambda: self._receive(msg, frames))
+        elif self.ordered.busy(rid):  # behind a message of the request still being fetched
             self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
+        else:
+            try:
+                self._decoded(msg, [], Inbound())
+            except Exception:
+                self.log.exception("message handling failed")
 
     async def _receive(self, msg: wire.Data, frames: list) -> None:
         try:
@@ -196,7 +201,8 @@ class Host:
         self._decoded(msg, tensors, inbound)
 
     def _decoded(self, msg: wire.Data, tensors: list, inbound: Inbound) -> None:
-        if self.is_ended(msg.rid):
+        rid = msg.rid
+        if rid < self.floor or rid in self.ended:
             inbound.release()
             return
         held: Inbound | None = inbound
@@ -209,17 +215,17 @@ class Host:
                 held.release()
             self.fail(msg.rid, msg.stage, exc)
             return
-        if msg.trace and msg.rid not in self.traces:  # tracing: remember the request's context
-            self.traces[msg.rid] = msg.trace
+        if msg.trace and rid not in self.traces:  # tracing: remember the request's context
+            self.traces[rid] = msg.trace
             if len(self.traces) > _TRACES_MEMORY:
                 self.traces.pop(next(iter(self.traces)))
         if self._followers:
             self._to_followers(msg, payload)
         stage = self.stages[msg.stage]
         if msg.kind == "work":
-            stage.on_payload(msg.rid, msg.request_id, msg.src, payload, inbound)
+            stage.on_payload(rid, msg.request_id, msg.src, payload, inbound)
         else:
-            stage.on_chunk(msg.rid, msg.src, payload, held, self._granter(msg))
+            stage.on_chunk(rid, msg.src, payload, held, self._granter(msg))
 
     def _granter(self, msg: wire.Data):
         address = self.boot.addresses.get(msg.origin) if msg.origin else None
@@ -249,6 +255,9 @@ class Host:
                              transfer.handle, len(transfer.frames), "", msg.trace)
         for follower in self._followers:
             self.outbox.post(follower, copy_msg, transfer.frames)
+        # The leader's call may start at once (eagerly) and wait in a collective for its
+        # followers: they must have their copy before it does, not at the end of the drain.
+        self.outbox.flush()
 
     # -- ending ----------------------------------------------------------------------------------
 
@@ -297,11 +306,27 @@ class Host:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        profile_dir = os.environ.get("OMNI_PROFILE_DIR")  # bench.hot_quick --profile: cProfile each process
+        if not profile_dir:
+            await self._serve()
+            return
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            await self._serve()
+        finally:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(profile_dir, f"{self.spec.name}.prof"))
+
+    async def _serve(self) -> None:
         self.stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name)
+        self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name,
+                           outbox=self.outbox)
         self.inbox.start()
         exporter = metrics.Exporter(self.boot.runtime_dir, self.spec.name).start()
         tracing.setup_process(self.spec.name)

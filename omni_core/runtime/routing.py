@@ -67,35 +67,45 @@ class Router:
             await host.outbox.send(address, msg, frames)
         else:
             fut = host.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, origin=host.name,
-                                                      trace=host.traces.get(rid, "")))
+                                                      trace=host.traces.get(rid, "") if host.traces else ""))
             if fut is not None:
                 await fut
 
     async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
-                       targets: list[str], payloads: Mapping[str, Any]) -> None:
-        """Send each target its payload: objects to stages of this process (a private copy for
-        all but the last), packed once and relayed to the others."""
+                       targets: list[str], payloads: Mapping[str, Any] | None, value: Any = None) -> None:
+        """Send each target its payload (``payloads[target]``, or ``value`` for all when
+        ``payloads`` is None): objects to stages of this process (a private copy for all but the
+        last), packed once and relayed to the others."""
         edge_kind = "next" if kind == "work" else "stream"
-        local = [t for t in targets if self.edge_relays[(stage.name, t, edge_kind)] == OBJECT_RELAY]
-        remote = [t for t in targets if t not in local]
+        edge_relays = self.edge_relays
+        name = stage.name
+        local: list[str] = []
         packed: dict[int, tuple[bytes, list]] = {}
-        for target in remote:
-            payload = payloads[target]
-            if id(payload) not in packed:
-                packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
-            skeleton, tensors = packed[id(payload)]
-            await self.send_data(kind, rid, request_id, stage.name, target, self.address(target, rid),
-                                 self.edge_relays[(stage.name, target, edge_kind)], skeleton, tensors)
+        for target in targets:
+            relay = edge_relays[(name, target, edge_kind)]
+            if relay == OBJECT_RELAY:
+                local.append(target)
+                continue
+            payload = value if payloads is None else payloads[target]
+            entry = packed.get(id(payload))
+            if entry is None:
+                entry = packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
+            skeleton, tensors = entry
+            addrs = self._addresses_of[target]
+            address = addrs[rid % len(addrs)] if len(addrs) > 1 else addrs[0]
+            await self.send_data(kind, rid, request_id, name, target, address, relay, skeleton, tensors)
+        if not local:
+            return
         stages = self.host.stages
         for i, target in enumerate(local):
-            payload = payloads[target]
-            shared = any(payloads[t] is payload for t in local[i + 1:])
+            payload = value if payloads is None else payloads[target]
+            shared = any((value if payloads is None else payloads[t]) is payload for t in local[i + 1:])
             obj = copy.deepcopy(payload) if shared else payload
             if kind == "work":
-                stages[target].on_payload(rid, request_id, stage.name, obj, Inbound())
+                stages[target].on_payload(rid, request_id, name, obj, Inbound())
             else:
-                window = self.windows.get(rid, stage.name, target)
-                stages[target].on_chunk(rid, stage.name, obj, None, window.grant)
+                window = self.windows.get(rid, name, target)
+                stages[target].on_chunk(rid, name, obj, None, window.grant)
 
     async def finish(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
         """Hand a finished call's result on. Every user function (route, projections,
@@ -104,11 +114,21 @@ class Router:
         stage is terminal, the payloads to ``next``, the end of its streams."""
         cfg = stage.cfg
         fns = stage.fns
+        if fns.route is None and not fns.project and not cfg.stream_to:
+            # A plain stage: the result goes to the caller (terminal) and to every next stage.
+            if cfg.terminal:
+                skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
+                await self.send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY,
+                                     skeleton, tensors)
+            if cfg.next:
+                await self._deliver("work", stage, rid, request_id, cfg.next, None, result)
+            self.windows.drop(rid, cfg.name)
+            return
         targets = list(cfg.next)
         if fns.route is not None:
             targets = target_names(fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
         project = fns.project
-        payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else dict.fromkeys(targets, result)
+        payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else None
         done_to = list(cfg.stream_to)
         if cfg.stream_to and fns.stream_done is not None:
             answer = fns.stream_done(request_id, result)
@@ -122,7 +142,7 @@ class Router:
             if dropped:
                 await host.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
         if targets:
-            await self._deliver("work", stage, rid, request_id, targets, payloads)
+            await self._deliver("work", stage, rid, request_id, targets, payloads, result)
         for target in done_to:
             if self.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
                 host.stages[target].on_stream_end(rid, cfg.name)
@@ -137,11 +157,16 @@ class Router:
         if not cfg.stream_to and not cfg.terminal:
             raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
         targets = []
+        windows = self.windows
         for target in cfg.stream_to:
-            if await self._credit(rid, cfg.name, target):
+            window = windows.get(rid, cfg.name, target)
+            if window.credits > 0 and not window.closed:  # the common case, without a coroutine
+                window.credits -= 1
+                targets.append(target)
+            elif await self._credit(rid, cfg.name, target):
                 targets.append(target)
         if targets:
-            await self._deliver("chunk", stage, rid, request_id, targets, dict.fromkeys(targets, chunk))
+            await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
         if cfg.terminal and await self._credit(rid, cfg.name, CALLER):
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self.send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)

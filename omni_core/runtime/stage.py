@@ -11,25 +11,34 @@ relay buffers) is freed when it ends, however it ends.
 from __future__ import annotations
 
 import asyncio
+import collections
+import collections.abc
+import contextlib
+import contextvars
 import inspect
-import time
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import structlog
+from structlog.contextvars import bind_contextvars
 
 from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
+from ..logs import get_logger
 from .context import StageContext
 from .flow import Grant, StreamBuffer, StreamClosed
+from .ordered import Resume
 from .types import Inbound, StageFunctions, WiringError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
 
 __all__ = ["Inbound", "StageFunctions", "StageRuntime", "WiringError"]
+
+log = get_logger()
 
 
 class StageCancelled(Exception):
@@ -42,6 +51,111 @@ class _FanIn:
     needed: list[str] | None = None
     started: bool = False
     inbound: Inbound = attrs.Factory(Inbound)
+
+
+# -- eager start ---------------------------------------------------------------------------------
+#
+# A stage call runs at once, inside the callback that received its payload, up to its first
+# suspension (what Python 3.12's eager tasks do); only a call that suspends gets a task, which
+# resumes it from there. An ``Echo``-like stage so finishes its request, send included, without a
+# task and a loop turn. The same mechanism serves every Python version (3.10 up): the first step
+# runs in a fresh copy of the context, as a task's would, and ``asyncio.current_task()`` returns a
+# stand-in for the task to come, so ``asyncio.timeout()`` and ``TaskGroup`` work from the first
+# line; what is asked of the stand-in (a cancellation) passes to the task once there is one.
+
+_enter_task = asyncio.tasks._enter_task
+_leave_task = asyncio.tasks._leave_task
+_current_task = asyncio.current_task
+_TASK_CONTEXT = sys.version_info >= (3, 11)  # create_task(context=...)
+
+
+class _Starting:
+    """Stands for a stage call's task while its first step runs, before it has one."""
+
+    __slots__ = ("_loop", "_cancels", "task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._cancels = 0
+        self.task: asyncio.Task | None = None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.task is not None:
+            return self.task.cancel(msg)
+        self._cancels += 1  # raised at the call's first suspension, as for a running task
+        return True
+
+    def cancelling(self) -> int:
+        return self.task.cancelling() if self.task is not None else self._cancels
+
+    def uncancel(self) -> int:
+        if self.task is not None:
+            return self.task.uncancel()
+        if self._cancels:
+            self._cancels -= 1
+        return self._cancels
+
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    def cancelled(self) -> bool:
+        return self.task is not None and self.task.cancelled()
+
+    def get_name(self) -> str:
+        return "omni-stage-call" if self.task is None else self.task.get_name()
+
+
+def _first_step(coro: collections.abc.Coroutine, stand_in: _Starting, loop: asyncio.AbstractEventLoop) -> Any:
+    """Run ``coro`` up to its first suspension with ``stand_in`` as the current task."""
+    outer = _current_task(loop)
+    if outer is not None:
+        _leave_task(loop, outer)
+    _enter_task(loop, stand_in)
+    try:
+        return coro.send(None)
+    finally:
+        _leave_task(loop, stand_in)
+        if outer is not None:
+            _enter_task(loop, outer)
+
+
+class _Slots:
+    """The stage's concurrency limit: a semaphore whose uncontended acquire is inline in the
+    call (``free``, ``waiters``), first come first served."""
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, n: int):
+        self.free = n
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            await fut  # the slot is handed over by release()
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot, then cancelled: pass it on
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        waiters = self.waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
 
 
 def _is_async_callable(obj: Any) -> bool:
@@ -64,7 +178,7 @@ class StageRuntime:
         self.follower = follower
         # Tensor-parallel ranks run one call at a time, in the same order, so collectives match.
         concurrency = 1 if cfg.tp_size > 1 else cfg.max_concurrency
-        self.sem = asyncio.Semaphore(concurrency)
+        self.slots = _Slots(concurrency)
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
         self.running: dict[int, asyncio.Task] = {}
         self.contexts: dict[int, StageContext] = {}
@@ -73,6 +187,7 @@ class StageRuntime:
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def requests(self) -> set[int]:
         """Every request this stage holds state for."""
@@ -170,13 +285,35 @@ class StageRuntime:
     # -- running ---------------------------------------------------------------------------------
 
     def _start(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
-        task = self.running[rid] = asyncio.get_running_loop().create_task(self._run(rid, request_id, payload, inbound))
-        # A done callback runs even for a task cancelled before it started (an abort right after
-        # the payload arrived), whose body and its ``finally`` never run.
         self.inbounds[rid] = inbound
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = asyncio.get_running_loop()
+        stand_in = _Starting(loop)
+        self.running[rid] = stand_in
+        coro = self._run(rid, request_id, payload, inbound)
+        context = contextvars.copy_context()
+        try:
+            first = context.run(_first_step, coro, stand_in, loop)
+        except StopIteration:  # finished without suspending: no task
+            self._ended(rid, stand_in, inbound)
+            return
+        except BaseException:  # pragma: no cover - _run handles every exception itself
+            log.exception("stage call failed", stage=self.name)
+            self._ended(rid, stand_in, inbound)
+            return
+        resume = Resume(coro, first)
+        task = loop.create_task(resume, context=context) if _TASK_CONTEXT else context.run(loop.create_task, resume)
+        stand_in.task = task
+        if self.running.get(rid) is stand_in:
+            self.running[rid] = task
+        if stand_in._cancels:
+            task.cancel()
+        # A done callback runs even for a task cancelled before its next step (an abort right
+        # after the call suspended), whose ``finally`` then runs at that step.
         task.add_done_callback(lambda _: self._ended(rid, task, inbound))
 
-    def _ended(self, rid: int, task: asyncio.Task, inbound: Inbound) -> None:
+    def _ended(self, rid: int, task: Any, inbound: Inbound) -> None:
         inbound.release()
         if self.host.is_ended(rid):
             # Cancelled by the request's end: whatever a relay put was handing out when the
@@ -191,38 +328,55 @@ class StageRuntime:
     async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
         ctx = StageContext(self, rid, request_id)
         self.contexts[rid] = ctx
-        structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's log lines
+        bind_contextvars(request_id=request_id)  # this call's log lines
         started = None
+        slots = self.slots
         try:
-            async with self.sem:
-                started = time.perf_counter()
-                with tracing.stage_span(self.name, request_id=request_id, parent=self.host.traces.get(rid, "")):
+            if slots.free > 0 and not slots.waiters:
+                slots.free -= 1
+            else:
+                await slots.acquire()
+            try:
+                started = perf_counter()
+                parent = self.host.traces.get(rid) if self.host.traces else None
+                if parent:
+                    with tracing.stage_span(self.name, request_id=request_id, parent=parent):
+                        result = await self._call(payload, ctx)
+                elif self.is_async:
+                    result = await self.obj(payload, ctx)
+                else:
                     result = await self._call(payload, ctx)
-                metrics.stage_call(self.name, "ok", time.perf_counter() - started)
+                metrics.stage_call(self.name, "ok", perf_counter() - started)
                 started = None
                 del payload
                 if self.streaming_sources:
                     self.finished.add(rid)
-                storages = inbound.storages | self._stream_storages(rid)
-                if storages and not self.follower:
-                    result = self.host.edges.copy_out(result, storages)
-                self._close_streams(rid)
+                streams = rid in self.streams
+                if not self.follower:
+                    storages = inbound.storages | self._stream_storages(rid) if streams else inbound.storages
+                    if storages:
+                        result = self.host.edges.copy_out(result, storages)
+                if streams:
+                    self._close_streams(rid)
                 if self.follower:  # only the TP leader's result goes downstream
                     return
                 await self.host.router.finish(self, rid, request_id, result)
+            finally:
+                slots.release()
         except asyncio.CancelledError:
             if started is not None:
-                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", time.perf_counter() - started)
+                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", perf_counter() - started)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
                 self.host.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
             if started is not None:
-                metrics.stage_call(self.name, "error", time.perf_counter() - started)
+                metrics.stage_call(self.name, "error", perf_counter() - started)
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()
-            self._close_streams(rid)
+            if rid in self.streams:
+                self._close_streams(rid)
 
     async def _call(self, payload: Any, ctx: StageContext) -> Any:
         if self.is_async:
@@ -238,7 +392,9 @@ class StageRuntime:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
             inbound = self.inbounds.get(rid)
-            lent = (inbound.storages if inbound is not None else set()) | self._stream_storages(rid)
+            lent = inbound.storages if inbound is not None else set()
+            if rid in self.streams:
+                lent = lent | self._stream_storages(rid)
             if lent:  # a chunk viewing received relay memory outlives this call where it goes
                 chunk = self.host.edges.copy_out(chunk, lent)
             metrics.stream_chunk(self.name)

@@ -46,25 +46,38 @@ class Bootstrap:
     generation: int = 0
 
 
-@attrs.define
 class Inbound:
     """What a request brought into this stage: relay buffers to release when the call is done,
     and the tensors that view relay memory (copied out if the result keeps them)."""
 
-    releases: list[Callable[[], None]] = attrs.Factory(list)
-    storages: set[int] = attrs.Factory(set)
+    __slots__ = ("releases", "storages")
+
+    def __init__(self, releases: list[Callable[[], None]] | None = None, storages: set[int] | None = None):
+        self.releases: list[Callable[[], None]] = [] if releases is None else releases
+        self.storages: set[int] = set() if storages is None else storages
 
     def merge(self, other: Inbound) -> None:
         self.releases += other.releases
         self.storages |= other.storages
 
     def release(self) -> None:
-        releases, self.releases = self.releases, []
-        for release in releases:
-            release()
+        if self.releases:
+            releases, self.releases = self.releases, []
+            for release in releases:
+                release()
 
     def __bool__(self) -> bool:
         return bool(self.releases or self.storages)
+
+    def __repr__(self) -> str:
+        return f"Inbound(releases={self.releases!r}, storages={self.storages!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Inbound):
+            return NotImplemented
+        return self.releases == other.releases and self.storages == other.storages
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the attrs class it replaced
 
 
 @attrs.define

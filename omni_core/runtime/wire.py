@@ -143,10 +143,19 @@ class Bye(msgspec.Struct, tag="b", array_like=True):
 Message = (Data | StreamEnd | Credit | Failed | Dropped | Abort | Forget | Ready | StartFailed | Heartbeat
            | StateQuery | StateReport | Shutdown | Bye)
 
+
+class Batch(msgspec.Struct, tag="B", array_like=True):
+    """Several messages to one peer in one zmq message (what a sender's loop turn posted to it).
+    The tensor frames follow the encoded batch in order: each ``Data``'s ``nframes`` of them, in
+    the order of ``messages``. A receiver handles the messages as if they came one by one."""
+
+    messages: list[Message]
+
+
 encode = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder = msgspec.msgpack.Decoder(Message | Batch)
 
 
-def decode(frame: bytes | memoryview) -> Message:
+def decode(frame: bytes | memoryview) -> Message | Batch:
     """Decode one control message; raises msgspec.DecodeError on anything malformed."""
     return _decoder.decode(frame)
