@@ -22,7 +22,7 @@ from omni_core.testing.relay_conformance import shm_entries
 
 pytestmark = pytest.mark.timeout(60)
 
-OPTIONS = {"slot_bytes": 1 << 16, "slots": 4, "timeout": 1.0}
+OPTIONS = {"slot_bytes": 1 << 16, "slots": 4, "timeout": 1.0, "inline_below": 0}  # small puts through the pool
 GIANT = [[1 << 27]]  # float32: 512 MiB
 
 

@@ -25,7 +25,7 @@ def run(coro):
 def received(tmp_path):
     """Two tensors received through shm, the relay that owns them, and their lent storages."""
     run_id = f"lifetest{uuid.uuid4().hex[:8]}"
-    opts = {"slot_bytes": 1 << 16, "slots": 2}
+    opts = {"slot_bytes": 1 << 16, "slots": 2, "inline_below": 0}  # small tensors through the pool too
     sender = ShmRelay(RelayContext(run_id, "a", str(tmp_path), opts))
     receiver = ShmRelay(RelayContext(run_id, "b", str(tmp_path), opts))
     handle = run(sender.put(1, [torch.arange(8.0), torch.ones(2, 3, dtype=torch.int64)], "b")).handle

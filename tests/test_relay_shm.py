@@ -10,13 +10,14 @@ import uuid
 import pytest
 import torch
 
-from omni_core.relay.base import RelayContext, RelayTimeout
+from omni_core.relay.base import InvalidHandle, RelayContext, RelayTimeout
 from omni_core.relay.shm import ShmRelay, ShmRelayError, _decode
 from omni_core.relay.shm_segment import MAGIC, parse_name, pid_namespace
 from omni_core.testing.peer import PeerState, RelayPeer, put_seeded
 from omni_core.testing.relay_conformance import RelayConformance, sample, shm_entries
 
-OPTIONS = {"slot_bytes": 1 << 20, "slots": 4, "timeout": 1.0}
+# inline_below 0: every transfer through the pool, so small puts exercise slots and credits
+OPTIONS = {"slot_bytes": 1 << 20, "slots": 4, "timeout": 1.0, "inline_below": 0}
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,6 +28,16 @@ class TestShmRelay(RelayConformance):
     credits = 4
     put_timeout = 1.0
     large_bytes = 8 << 20  # twice the pool: the one-off segment path
+
+
+class TestShmRelayWithSmallTransfersInline(RelayConformance):
+    """The kit again with the default ``inline_below``: small puts travel as frames (no credit,
+    so the kit's credit tests skip), large ones through the pool and one-off segments."""
+
+    relay_name = "shm"
+    relay_options = {"slot_bytes": 1 << 20, "slots": 4, "timeout": 1.0}
+    put_timeout = 1.0
+    large_bytes = 8 << 20
 
 
 @pytest.fixture
@@ -309,3 +320,54 @@ def test_cuda_tensors_are_copied_to_host(make):
     source = torch.arange(1000, device="cuda", dtype=torch.float32)
     [got] = run(receiver.get(run(sender.put(1, [source], "b")).handle))
     assert got.device.type == "cpu" and torch.equal(got, source.cpu())
+
+
+# -- small transfers as frames ------------------------------------------------------------------
+
+def test_small_transfers_travel_as_frames_without_a_slot_and_large_ones_use_the_pool(make, run_id):
+    """Below ``inline_below`` a put returns frames and creates no segment; more small puts than
+    there are credits never wait; at the threshold the pool is used again."""
+    sender, receiver = make("a", inline_below=4096), make("b", inline_below=4096)
+
+    async def go():
+        small = torch.arange(1000, dtype=torch.float32)  # 4,000 bytes
+        transfers = [await sender.put(rid, [small + rid, torch.tensor(rid)], "b") for rid in range(3 * OPTIONS["slots"])]
+        assert all(t.frames for t in transfers) and shm_entries(run_id) == []
+        for rid, t in enumerate(transfers):
+            got = await receiver.get(t.handle, t.frames)
+            assert torch.equal(got[0], small + rid) and got[1].item() == rid
+            assert not receiver.owns(got[0])  # the receiver's own memory: nothing to copy out
+            receiver.release(t.handle)
+        assert receiver.debug_state() == {"received": 0, "sent": 0}
+        big = await sender.put(99, [torch.ones(1024, dtype=torch.float32)], "b")  # 4,096 bytes: not below
+        assert not big.frames and len(shm_entries(run_id)) == 1
+        got = await receiver.get(big.handle, big.frames)
+        assert receiver.owns(got[0]) and got[0].sum().item() == 1024
+        receiver.release(big.handle)
+        receiver.release(big.handle)  # twice: harmless
+
+    run(go())
+
+
+def test_a_small_transfer_s_frames_are_checked_against_its_handle(make):
+    sender, receiver = make("a", inline_below=1 << 16), make("b", inline_below=1 << 16)
+
+    async def go():
+        t = await sender.put(1, [torch.zeros(16)], "b")
+        with pytest.raises(InvalidHandle, match="frame 0 holds 8 bytes"):
+            await receiver.get(t.handle, [b"\0" * 8])
+        with pytest.raises(InvalidHandle):  # a pool handle cannot be passed off with frames
+            pool = await make("c", inline_below=0).put(2, [torch.zeros(16)], "b")
+            await receiver.get(pool.handle, [b"\0" * 64])
+
+    run(go())
+
+
+def test_inline_below_is_validated_with_its_path():
+    from omni_core.config import collect_issues, structure
+    from omni_core.plugins import load_plugins
+
+    cfg = structure({"name": "p", "relay": {"backend": "shm", "options": {"inline_below": -1}},
+                     "stages": [{"name": "a", "factory": "types:SimpleNamespace", "terminal": True}]})
+    (issue,) = collect_issues(cfg, load_plugins(env={"OMNI_LOAD_PLUGINS": ""}).registry)
+    assert str(issue).startswith("relay.options.inline_below: expected a non-negative integer, got -1")

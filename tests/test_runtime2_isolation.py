@@ -74,7 +74,9 @@ def test_forged_relay_handles_fail_their_request_only(relay, kinds, tmp_path):
     served by the same processes."""
     victim = tmp_path / "victim"
     before = segment_lookalike(victim)
-    cfg = pipeline(stage("forger", "Forger", args={"victim": str(victim)}, next="echo", relay=relay),
+    # shm: every transfer through the pool (inline_below 0), so the forged handles are pool handles
+    edge_relay = {"backend": "shm", "options": {"inline_below": 0}} if relay == "shm" else relay
+    cfg = pipeline(stage("forger", "Forger", args={"victim": str(victim)}, next="echo", relay=edge_relay),
                    stage("echo", "Echo", terminal=True))
 
     async def body():

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..options import positive_int, positive_number
+from ..options import Option, positive_int, positive_number
 from ..plugins import hookimpl
 from ..relay.base import RelayCapabilities
 
@@ -16,6 +16,8 @@ SHM_OPTIONS = {
     "slot_bytes": positive_int(4 << 20, "size of one slot in bytes (rounded up to 64)"),
     "slots": positive_int(32, "slots per pool: credits per sender and target process"),
     "timeout": positive_number(30.0, "seconds a put waits for credits before RelayTimeout"),
+    "inline_below": Option("non_negative_int", 64 << 10, "transfers of fewer bytes travel as frames of the control "
+                           "message, like inline (no slot, no credit); 0: every transfer through the pool"),
 }
 
 

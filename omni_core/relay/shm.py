@@ -19,6 +19,14 @@ writes the span's ticket to ``issued``, the receiver writes it to ``released`` w
 sender reclaims released spans before each allocation (lowest slots first, so they stay warm). ``cleanup(request_id)`` on the sender abandons the
 spans of that request (a late release of their tickets can never free a reissued span).
 
+Small transfers (fewer bytes than ``inline_below``, 64 KiB by default) skip the pool: their bytes
+travel as frames of the control message, exactly as the ``inline`` relay sends them. For a
+stream's per-step chunk (a hidden state of a few KiB) one copy into a frame costs less than a
+slot's reservation, handle, mapping and release, and holds no credit; the stream's own credits
+and the pipeline's admission bound what is in flight. ``get`` tells the two apart by the frames
+(a pool transfer has none) and checks an inline transfer's frames against its handle as
+``inline`` does.
+
 Oversized transfers (more bytes than the whole pool) go through a one-off segment of their exact
 size, at most one in flight per target (the next waits for its release), so nothing deadlocks and
 memory stays bounded; they pay for new memory (page faults, roughly 1 to 2.5 GB/s instead of the
@@ -47,7 +55,7 @@ import torch
 from ..builtin.relays import SHM_CAPABILITIES, SHM_OPTIONS
 from . import checks
 from .base import InvalidHandle, Relay, RelayContext, Transfer
-from .inline import _DTYPES, dtype_from_name, dtype_name
+from .inline import _DTYPES, dtype_from_name, dtype_name, inline_tensors, inline_transfer
 from .kit import CreditWait, dead_wait_text, receiver_text, relay_options, wait_for_credit
 from .shm_segment import (
     ONEOFF,
@@ -172,10 +180,12 @@ def _layout(tensors: Sequence[Any]) -> tuple[list[int], int]:
     return offsets, cursor
 
 
-def _options(options: dict[str, Any]) -> tuple[int, int, float]:
-    """``(slot_bytes, slots, timeout)`` from ``relay.options`` (other keys belong to other relays)."""
+def _options(options: dict[str, Any]) -> tuple[int, int, float, int]:
+    """``(slot_bytes, slots, timeout, inline_below)`` from ``relay.options`` (other keys belong to
+    other relays)."""
     values = relay_options("shm", SHM_OPTIONS, options)
-    return -(-values["slot_bytes"] // _ALIGN) * _ALIGN, values["slots"], float(values["timeout"])
+    return (-(-values["slot_bytes"] // _ALIGN) * _ALIGN, values["slots"], float(values["timeout"]),
+            values["inline_below"])
 
 
 def _receiver_dead(segs: Sequence[Segment]) -> bool:
@@ -195,7 +205,8 @@ class ShmRelay(Relay):
     """Same-node transfers through per-target shared-memory pools (see the module docstring).
 
     Options (``relay.options``): ``slot_bytes`` (default 4 MiB), ``slots`` (credits per target,
-    default 32), ``timeout`` (seconds a ``put`` waits for credits, default 30).
+    default 32), ``timeout`` (seconds a ``put`` waits for credits, default 30), ``inline_below``
+    (transfers of fewer bytes go as frames, default 64 KiB; 0: never).
     """
 
     name = "shm"
@@ -203,7 +214,7 @@ class ShmRelay(Relay):
 
     def __init__(self, ctx: RelayContext):
         super().__init__(ctx)
-        self.slot_bytes, self.slots, self.timeout = _options(dict(ctx.options))
+        self.slot_bytes, self.slots, self.timeout, self.inline_below = _options(dict(ctx.options))
         self._pools: dict[str, _Pool] = {}
         self._oneoffs: dict[str, _Oneoffs] = {}
         self._tickets = itertools.count(1)
@@ -219,6 +230,8 @@ class ShmRelay(Relay):
         if self._closed:
             raise ShmRelayError("shm relay: put after close")
         offsets, nbytes = _layout(tensors)
+        if 0 < nbytes < self.inline_below and all(t.device.type == "cpu" for t in tensors):
+            return inline_transfer(tensors)
         dtypes = [_DTYPE_NAMES[t.dtype] for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         if nbytes == 0:
@@ -296,6 +309,8 @@ class ShmRelay(Relay):
         if self._closed:
             raise ShmRelayError("shm relay: get after close")
         key = bytes(handle)
+        if frames:  # a small transfer: its bytes came as frames (a pool transfer has none)
+            return inline_tensors(key, frames)
         h = checks.decode(_decode, key, "shm")
         specs = checks.tensor_specs(h.dtypes, h.shapes, "shm", ("offsets", h.offsets))
         if not h.segment:
@@ -355,7 +370,7 @@ class ShmRelay(Relay):
         try:
             h = _decode(key)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # never a handle of ours: get refused it
+            return  # a small transfer's (frames: nothing to release), or never one of ours
         if not h.segment or self._closed:
             return
         seg = self._maps.get(h.segment)
