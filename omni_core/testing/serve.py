@@ -53,10 +53,18 @@ class ServerProcess:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
+    def command(self) -> list[str]:
+        """The server's command line: ``omni serve`` through this interpreter (override to run,
+        say, the installed console script)."""
+        return [sys.executable, "-c", "from omni_core.cli import main; main()", *self.serve_args()]
+
+    def serve_args(self) -> list[str]:
+        return ["serve", self.config, "--host", "127.0.0.1", "--port", "0", *self.args]
+
     def start(self, *, wait_ready: bool = True) -> ServerProcess:
-        cmd = [sys.executable, "-c", "from omni_core.cli import main; main()", "serve", self.config,
-               "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+        """Start the server and wait for its URL (and ``/ready`` unless ``wait_ready`` is false);
+        a start that fails or times out stops the server before it raises."""
+        self.proc = subprocess.Popen(self.command(), env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -10,9 +10,6 @@ import base64
 import io
 import json
 import shutil
-import subprocess
-import threading
-import time
 import wave
 
 import httpx
@@ -30,38 +27,13 @@ SAMPLE_RATE = 24000
 
 
 class ConsoleServer(ServerProcess):
-    """:class:`ServerProcess` started through the installed ``omni`` console script, and stopped
-    when it does not get ready."""
+    """:class:`ServerProcess` started through the installed ``omni`` console script (a start
+    that fails or times out stops the server: nothing of it outlives the test)."""
 
-    def start(self, *, wait_ready: bool = True) -> ConsoleServer:
+    def command(self) -> list[str]:
         omni = shutil.which("omni")
         assert omni, "the omni console script is not installed"
-        cmd = [omni, "serve", self.config, "--host", "127.0.0.1", "--port", "0", *self.args]
-        self.proc = subprocess.Popen(
-            cmd,
-            env=self.env,
-            cwd=self.cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + self.ready_timeout
-        try:
-            while not self._url_found.wait(0.05):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self._reader.join(2)
-                    raise RuntimeError(
-                        f"omni serve did not start (exit {self.proc.poll()}):\n" + self.output()
-                    )
-            if wait_ready:
-                self.wait_ready(deadline)
-        except BaseException:  # not ready in time: nothing of the server may outlive the test
-            self.stop(120)
-            raise
-        return self
+        return [omni, *self.serve_args()]
 
 
 def quantised(audio: torch.Tensor) -> bytes:
