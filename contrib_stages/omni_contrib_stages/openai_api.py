@@ -45,9 +45,9 @@ from typing import Any
 
 from omni_core.options import parse_options
 
-from .openai_options import OPTIONS
+from .plugin import OPENAI_OPTIONS as OPTIONS
 
-#: Adapter options and their defaults (the schema is :data:`.openai_options.OPTIONS`).
+#: Adapter options and their defaults (the schema is :data:`.plugin.OPENAI_OPTIONS`).
 DEFAULTS: dict[str, Any] = {name: option.default for name, option in OPTIONS.items()}
 
 AUDIO_FORMATS = ("wav", "pcm16")
