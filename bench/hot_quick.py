@@ -19,6 +19,32 @@ import time
 from .cpu import _clock_ns
 
 
+async def _closed_loop(p, payload: dict, *, warmup: int, requests: int, concurrency: int,
+                       check=None) -> tuple[float, int, dict[str, int]]:
+    """Warm ``p`` up, then run ``requests`` requests ``concurrency`` at a time; ``(wall seconds,
+    this process's CPU ns, each stage process's CPU ns)`` over the measured block."""
+    pids = dict(p.pids())
+    for _ in range(warmup):
+        await p.submit(payload)
+    left = requests
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            out = await p.submit(payload)
+            if check is not None:
+                check(out)
+
+    before = {role: _clock_ns(pid) for role, pid in pids.items()}
+    me0 = time.process_time_ns()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    me = time.process_time_ns() - me0
+    return wall, me, {role: _clock_ns(pid) - before[role] for role, pid in pids.items()}
+
+
 async def _chain(stages: int, inflight: int, requests: int) -> dict:
     from omni_core import Pipeline
 
@@ -26,25 +52,8 @@ async def _chain(stages: int, inflight: int, requests: int) -> dict:
     from .stages import chain
 
     async with Pipeline(chain(stages, name="bench-hot-quick")) as p:
-        pids = {k: v for k, v in p.pids().items()}
-        for _ in range(300):
-            await p.submit(PAYLOAD)
-        left = requests
-
-        async def worker() -> None:
-            nonlocal left
-            while left > 0:
-                left -= 1
-                await p.submit(PAYLOAD)
-
-        before = {role: _clock_ns(pid) for role, pid in pids.items()}
-        me0 = time.process_time_ns()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(inflight)))
-        wall = time.perf_counter() - t0
-        me = time.process_time_ns() - me0
-        after = {role: _clock_ns(pid) for role, pid in pids.items()}
-    per = {role: round((after[role] - before[role]) / 1e3 / requests, 1) for role in pids}
+        wall, me, cpu = await _closed_loop(p, PAYLOAD, warmup=300, requests=requests, concurrency=inflight)
+    per = {role: round(ns / 1e3 / requests, 1) for role, ns in cpu.items()}
     return {
         "req/s": round(requests / wall),
         "caller_us": round(me / 1e3 / requests, 1),
@@ -58,27 +67,14 @@ async def _stream(relay: str, streams: int, chunks: int, requests: int) -> dict:
 
     from .stages import stream_pair
 
+    def check(out: dict) -> None:
+        assert out["sink"]["n"] == chunks and not out["sink"]["bad"], out["sink"]
+
     async with Pipeline(stream_pair(relay=relay, name="bench-hot-stream")) as p:
-        pids = {k: v for k, v in p.pids().items()}
-        payload = {"chunks": chunks}
-        for _ in range(20):
-            await p.submit(payload)
-        left = requests
-
-        async def worker() -> None:
-            nonlocal left
-            while left > 0:
-                left -= 1
-                out = await p.submit(payload)
-                assert out["sink"]["n"] == chunks and not out["sink"]["bad"], out["sink"]
-
-        before = {role: _clock_ns(pid) for role, pid in pids.items()}
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(streams)))
-        wall = time.perf_counter() - t0
-        after = {role: _clock_ns(pid) for role, pid in pids.items()}
+        wall, _, cpu = await _closed_loop(p, {"chunks": chunks}, warmup=20, requests=requests,
+                                          concurrency=streams, check=check)
     total = requests * chunks
-    per = {role: round((after[role] - before[role]) / 1e3 / total, 1) for role in pids}
+    per = {role: round(ns / 1e3 / total, 1) for role, ns in cpu.items()}
     return {"chunks/s": round(total / wall), "us_per_chunk": per}
 
 
