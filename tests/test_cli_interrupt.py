@@ -158,13 +158,24 @@ def test_ctrl_c_in_a_terminal_finishes_the_requests_in_flight_then_exits_130(wor
     wait_for(lambda: not processes_with_env(f"OMNI_TEST_MARK={marker}"), "no process left behind", 30)
 
 
-def test_a_second_ctrl_c_aborts_what_is_in_flight(work):
+def held_request(work: Path) -> tuple[Terminal, str]:
+    """``omni run --inputs`` of one request whose stage waits for a gate that never opens, once
+    that request has reached the stage; and the run's environment marker."""
     gate = work / "never"
     (work / "in.jsonl").write_text(json.dumps({"text": "b", "gate": str(gate)}) + "\n")
     marker = uuid.uuid4().hex
     term = Terminal(["run", "p.yaml", "--inputs", "in.jsonl"], work, marker)
     try:
         wait_for(lambda: Path(f"{gate}.started").exists(), "the request to reach the stage")
+    except BaseException:
+        term.close()
+        raise
+    return term, marker
+
+
+def test_a_second_ctrl_c_aborts_what_is_in_flight(work):
+    term, marker = held_request(work)
+    try:
         term.ctrl_c()
         wait_for(lambda: "interrupted: finishing 1 request in flight" in term.stderr, "omni to start draining")
         term.ctrl_c()
@@ -176,12 +187,8 @@ def test_a_second_ctrl_c_aborts_what_is_in_flight(work):
 
 
 def test_a_sigkilled_omni_leaves_no_stage_process_behind(work):
-    gate = work / "never"
-    (work / "in.jsonl").write_text(json.dumps({"text": "b", "gate": str(gate)}) + "\n")
-    marker = uuid.uuid4().hex
-    term = Terminal(["run", "p.yaml", "--inputs", "in.jsonl"], work, marker)
+    term, marker = held_request(work)
     try:
-        wait_for(lambda: Path(f"{gate}.started").exists(), "the request to reach the stage")
         pids = term.stage_pids()
         assert pids
         os.kill(term.proc.pid, signal.SIGKILL)
