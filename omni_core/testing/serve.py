@@ -15,6 +15,7 @@ line). Its log lines are kept in :attr:`ServerProcess.lines`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -76,22 +77,12 @@ class ServerProcess:
             if wait_ready:
                 self.wait_ready(deadline)
         except BaseException:
-            self._abandon()
+            # A start that failed stops what it started (SIGTERM: the server drains and stops its
+            # stage processes; SIGKILL past 30 s); the original error is the one to raise.
+            with contextlib.suppress(AssertionError):
+                self.stop(30)
             raise
         return self
-
-    def _abandon(self) -> None:
-        """A start that failed stops what it started: SIGTERM (the server drains and stops its
-        stage processes), SIGKILL if that takes too long."""
-        assert self.proc is not None
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        if self._reader is not None:
-            self._reader.join(5)
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
