@@ -46,6 +46,7 @@ class Pipeline:
             on_death=self.coordinator.fail_where,
             on_stopping=self.coordinator.drain,
             on_stopped=self._abort_all,
+            in_flight=lambda: len(self.coordinator.requests),
         )
         self.coordinator.runner = self.runner
 

@@ -88,12 +88,14 @@ class Runner:
     """Starts, supervises and stops the processes of one plan.
 
     ``on_request_message(msg, frames)`` gets what concerns requests (data, failures, drops);
-    ``on_death(processes, make_error)`` fails the requests that may use those processes."""
+    ``on_death(processes, make_error)`` fails the requests that may use those processes;
+    ``in_flight()`` counts the requests in flight (logged when the pipeline stops)."""
 
     def __init__(self, config: PipelineConfig, registry: Registry, *,
                  on_request_message: Callable[[wire.Message, list], None],
                  on_death: Callable[[set[str], Callable[[Any], BaseException]], int],
-                 on_stopping: Callable[[float], Any], on_stopped: Callable[[BaseException], None]):
+                 on_stopping: Callable[[float], Any], on_stopped: Callable[[BaseException], None],
+                 in_flight: Callable[[], int] | None = None):
         self.config = config
         self.registry = registry
         self.log = get_logger(pipeline=config.name)
@@ -101,6 +103,7 @@ class Runner:
         self._on_death = on_death
         self._on_stopping = on_stopping
         self._on_stopped = on_stopped
+        self._in_flight = in_flight or (lambda: None)  # requests in flight, for the stop event
         self.state = "new"
         self.closed_reason: BaseException | None = None
         self.plan: Plan | None = None
@@ -175,7 +178,7 @@ class Runner:
             # at once instead of being waited for (see _teardown).
             reason = "interrupted" if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)) else \
                 f"start failed: {getattr(exc, 'message', None) or exc}"
-            self.log.info("pipeline stopping", reason=reason.splitlines()[0] if reason else reason)
+            self.log.info("pipeline stopping", reason=reason.splitlines()[0])
             stopping = time.monotonic()
             await self._teardown(stopping + self.config.limits.stop_timeout, failed_start=True)
             self._set_state("stopped")
@@ -273,7 +276,7 @@ class Runner:
                 if pending:  # siblings failing with the same cause report within moments
                     more, pending = await asyncio.wait(pending, timeout=START_FAILURE_GRACE)
                     done |= more
-                raise StartupError.several([_failure(fut) for fut in waiting if fut in done and _failure(fut)])
+                raise StartupError.several([exc for fut in waiting if fut in done and (exc := _failure(fut))])
 
     # -- messages ---------------------------------------------------------------------------------
 
@@ -488,11 +491,6 @@ class Runner:
         self.log.info("pipeline stopping", reason=reason, in_flight=self._in_flight())
         self._stop_task = self._loop.create_task(self._stop(timeout))
 
-    def _in_flight(self) -> int | None:
-        owner = getattr(self._on_stopping, "__self__", None)  # the coordinator, when it is one
-        requests = getattr(owner, "requests", None)
-        return len(requests) if requests is not None else None
-
     async def _stop(self, timeout: float | None) -> None:
         total = self.config.limits.stop_timeout if timeout is None else timeout
         start = time.monotonic()
@@ -558,7 +556,7 @@ class Runner:
 
     def _is_ready(self, name: str) -> bool:
         fut = self._ready.get(name)
-        return fut is not None and fut.done() and _failure(fut) is None and not fut.cancelled()
+        return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
 
     def _sweep_relays(self) -> None:
         if not self.plan or not self.run_id:
