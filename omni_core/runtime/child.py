@@ -164,37 +164,20 @@ def main(boot: Bootstrap) -> None:
         heart.stop()
 
 
-def failing_stage(boot: Bootstrap, host: Any, exc: BaseException) -> tuple[str, str]:
-    """``(stage name, config path)`` of the stage whose construction raised ``exc``, or
-    ``("", "")`` when no stage was being built. The path says which part of the stage's config is
-    at fault: ``stages[i].factory`` when resolving (importing) the factory failed,
-    ``stages[i].args`` when its arguments did not fit the factory's signature, ``stages[i]`` when
-    the factory itself raised."""
+def failing_stage(boot: Bootstrap, host: Any) -> tuple[str, str]:
+    """``(stage name, config path)`` of the stage whose construction failed, or ``("", "")``
+    when no stage was being built. The path says which part of the stage's config is at fault:
+    ``stages[i].factory`` when resolving (importing) the factory failed, ``stages[i].args`` when
+    its arguments did not fit the factory's signature, ``stages[i]`` when the factory itself
+    raised (what :attr:`Host.building` recorded); before any stage (joining a TP group), the
+    first stage of the process."""
+    if host is None:
+        return "", ""
+    name, part = host.building or (next((n for n in boot.process.stages if n not in host.stages), None), "")
     stages = [s.get("name") for s in boot.config.get("stages") or ()]
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb)
-        tb = tb.tb_next
-    name, below = None, None
-    for k, frame in enumerate(frames):
-        if frame.tb_frame.f_code.co_name == "build_stages" and "name" in frame.tb_frame.f_locals:
-            name = frame.tb_frame.f_locals["name"]
-            below = frames[k + 1] if k + 1 < len(frames) else None
-    if name is None and host is not None:  # not raised under build_stages: the first stage not built
-        name = next((n for n in boot.process.stages if n not in getattr(host, "stages", {})), None)
     if name is None or name not in stages:
         return "", ""
-    path = f"stages[{stages.index(name)}]"
-    if below is None:
-        # Raised by build_stages' own line: calling the factory with arguments it does not take.
-        return name, path + (".args" if isinstance(exc, TypeError) else "")
-    called = below.tb_frame.f_code.co_name
-    if called in ("resolve", "get", "load", "import_ref"):
-        return name, path + ".factory"
-    if called == "_inject":
-        return name, path + ".args"
-    return name, path
+    return name, f"stages[{stages.index(name)}]{part}"
 
 
 async def _report_start_failure(boot: Bootstrap, exc: BaseException, host: Any = None) -> None:
@@ -203,7 +186,7 @@ async def _report_start_failure(boot: Bootstrap, exc: BaseException, host: Any =
     if isinstance(exc, (ConfigError, PluginError)):
         message = str(exc)
     try:
-        stage, path = failing_stage(boot, host, exc)
+        stage, path = failing_stage(boot, host)
     except Exception:  # never let the description hide the failure itself
         stage, path = "", ""
     ctx = zmq.Context(io_threads=1)

@@ -98,6 +98,9 @@ class Host:
         self.router = Router(self)
         self.ordered = OrderedDelivery()
         self.stages: dict[str, StageRuntime] = {}
+        #: While :meth:`build_stages` runs: the stage being built and the part of its config at
+        #: stake (``".factory"``, ``".args"``, ``""``: the factory itself), for a failed start.
+        self.building: tuple[str, str] | None = None
         self.ended: set[int] = set()  # requests that ended at or above the floor
         #: rid → the request's W3C traceparent, only while tracing is on (omni_core.tracing).
         self.traces: dict[int, str] = {}
@@ -129,13 +132,22 @@ class Host:
             self.join_tp_group()
         for name in self.spec.stages:
             stage = self.config.stage(name)
+            self.building = (name, ".factory")
             factory = self.registry.resolve("stage", stage.factory)
+            self.building = (name, ".args")
             kwargs = _inject(factory, self.spec, stage, self.tp_init_method)
-            obj = factory(**kwargs)
+            self.building = (name, "")
+            try:
+                obj = factory(**kwargs)
+            except TypeError as exc:
+                if exc.__traceback__ is not None and exc.__traceback__.tb_next is None:
+                    self.building = (name, ".args")  # the call itself: arguments the factory does not take
+                raise
             self.stages[name] = StageRuntime(
                 self, stage, obj, _functions(self.registry, stage),
                 stream_buffer=self.config.limits.stream_buffer, follower=not self.spec.is_leader,
             )
+        self.building = None
 
     # -- receiving ------------------------------------------------------------------------------
 
