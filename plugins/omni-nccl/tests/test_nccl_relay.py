@@ -6,6 +6,7 @@ Every test here runs on CPU tensors (gloo); the CUDA tests at the end need two G
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -253,10 +254,27 @@ def test_get_from_a_sender_killed_before_delivery_is_a_clear_error(make, runtime
         os.unlink(os.path.join(runtime_dir, name))
 
 
+def stop_all_threads(pid: int, timeout: float = 10) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped: the signal is
+    asynchronous, and a thread that runs on another core goes on for a moment (long enough, on a
+    loaded machine, for a link thread to see its receiver join and start connecting)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(1e-3)
+
+
 def test_close_does_not_wait_for_a_sender_that_never_connects(make):
     receiver, sender = make.relay("b"), make.peer("a")
     handle, _ = sender.call(cmd.put_seeded, 1, "b", 0, [[10]])
-    os.kill(sender.process.pid, signal.SIGSTOP)  # alive, but its link never connects
+    stop_all_threads(sender.process.pid)  # alive, but its link never connects
     try:
         async def give_up():
             with pytest.raises(asyncio.TimeoutError):
