@@ -52,6 +52,42 @@ def test_messages_posted_during_a_hold_leave_as_one_zmq_message_in_order(tmp_pat
         ctx.term()
 
 
+def test_a_long_hold_lets_its_first_messages_go_early_in_batches_that_grow(tmp_path):
+    """A drain of 100 messages must not leave as one convoy: the next process would idle until
+    the last one is made. They leave after the 16th, 32nd, 64th and 96th post and at the release,
+    in order, with their frames."""
+    address = f"ipc://{tmp_path}/peer"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(address)
+    outbox = Outbox(ctx)
+    try:
+
+        async def body():
+            outbox.hold()
+            for rid in range(16):
+                outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
+            assert pull.poll(5000), "the first 16 leave while the hold goes on"
+            for rid in range(16, 100):
+                outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
+            outbox.release()
+
+        asyncio.run(body())
+        sizes, rids, frames = [], [], []
+        while sum(sizes) < 100 and pull.poll(5000):
+            parts = pull.recv_multipart()
+            batch = wire.decode(parts[0])
+            sizes.append(len(batch.messages))
+            rids += [m.rid for m in batch.messages]
+            frames += [int.from_bytes(f, "little") for f in parts[1:]]
+    finally:
+        outbox.close(linger_ms=0)
+        pull.close(linger=0)
+        ctx.term()
+    assert sizes == [16, 16, 32, 32, 4]
+    assert rids == frames == list(range(100))
+
+
 def test_an_inbox_hands_a_batch_out_message_by_message_and_drops_a_malformed_one(tmp_path):
     address = f"ipc://{tmp_path}/inbox"
     ctx = zmq.Context()

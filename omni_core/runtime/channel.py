@@ -36,6 +36,11 @@ Handler = Callable[[wire.Message, list[zmq.Frame]], None]
 
 #: At most this many messages travel in one batch.
 _BATCH = 256
+# Posts held for the end of a turn or an inbox drain leave early after the 16th, 32nd, 64th, then
+# every 32nd: the next process starts on the first ones while the rest are made. Held to the end,
+# the requests of a long drain travel through a pipeline as one convoy, one process busy at a
+# time (measured: 1.0 core busy of 2 at 64 in flight; 1.6 and 1.5 x the rate with this schedule).
+_FIRST_FLUSH, _FLUSH_STEP = 16, 32
 
 
 def _new_context() -> zmq.Context:
@@ -152,6 +157,8 @@ class Outbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: deque | None = None
         self._held = 0  # > 0 while an inbox drains: posts wait for its end
+        self._posted = 0  # messages posted since pending was last empty
+        self._flush_at = _FIRST_FLUSH  # ... at which count they leave without waiting for the end
 
     def _sock(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -203,6 +210,10 @@ class Outbox:
                     pending[address] = [(msg, frames)]
                 else:
                     queued.append((msg, frames))
+                self._posted += 1
+                if self._posted >= self._flush_at:
+                    self._flush_at += min(self._flush_at, _FLUSH_STEP)
+                    self._send_pending(reset=False)
                 return None
             loop = self._bind_loop()
             if loop is not None and (self._ready is None or self._ready):
@@ -227,10 +238,13 @@ class Outbox:
         if self._pending:
             self._send_pending()
 
-    def _send_pending(self) -> None:
+    def _send_pending(self, reset: bool = True) -> None:
         """Send what was posted during the last loop turn (or hold), order kept: several
-        messages to one peer leave as one zmq message (:class:`~.wire.Batch`)."""
+        messages to one peer leave as one zmq message (:class:`~.wire.Batch`). ``reset=False``:
+        an early send in the middle of a turn or hold, whose flush schedule goes on."""
         pending, self._pending = self._pending, {}
+        if reset:
+            self._posted, self._flush_at = 0, _FIRST_FLUSH
         for address, messages in pending.items():
             sock = self._sock(address)
             if self._backlog.get(address):
