@@ -168,6 +168,9 @@ class Edges:
         (None returned); a large chunk keeps its views and its ``inbound`` (returned)."""
         if not inbound:
             return None
+        if not inbound.storages:  # nothing views relay memory: nothing to copy
+            inbound.release()
+            return None
         if sum(t.numel() * t.element_size() for t in tensors) > CHUNK_COPY_BYTES:
             return inbound
         for i, tensor in enumerate(tensors):
