@@ -21,69 +21,67 @@ def _data(rid: int, nframes: int) -> wire.Data:
     )
 
 
-def test_messages_posted_during_a_hold_leave_as_one_zmq_message_in_order(tmp_path):
+@pytest.fixture
+def peer(tmp_path):
+    """``(address, a PULL socket bound there, an Outbox)``, closed after the test."""
     address = f"ipc://{tmp_path}/peer"
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(address)
     outbox = Outbox(ctx)
     try:
-
-        async def body():
-            outbox.hold()
-            outbox.post(address, _data(1, 2), [b"a" * 5, b"b" * 7])
-            outbox.post(address, wire.Credit(1, "s", "t", 3))
-            outbox.post(address, _data(2, 1), [b"c"])
-            outbox.post(address, wire.StreamEnd(2, "s", "t"))
-            assert not pull.poll(50), "nothing leaves while held"
-            outbox.release()
-
-        asyncio.run(body())
-        assert pull.poll(5000)
-        frames = pull.recv_multipart()
-        assert not pull.poll(100), "one zmq message for the four"
-        batch = wire.decode(frames[0])
-        assert isinstance(batch, wire.Batch)
-        assert [type(m).__name__ for m in batch.messages] == ["Data", "Credit", "Data", "StreamEnd"]
-        assert frames[1:] == [b"a" * 5, b"b" * 7, b"c"]
+        yield address, pull, outbox
     finally:
         outbox.close(linger_ms=0)
         pull.close(linger=0)
         ctx.term()
 
 
-def test_a_long_hold_lets_its_first_messages_go_early_in_batches_that_grow(tmp_path):
+def test_messages_posted_during_a_hold_leave_as_one_zmq_message_in_order(peer):
+    address, pull, outbox = peer
+
+    async def body():
+        outbox.hold()
+        outbox.post(address, _data(1, 2), [b"a" * 5, b"b" * 7])
+        outbox.post(address, wire.Credit(1, "s", "t", 3))
+        outbox.post(address, _data(2, 1), [b"c"])
+        outbox.post(address, wire.StreamEnd(2, "s", "t"))
+        assert not pull.poll(50), "nothing leaves while held"
+        outbox.release()
+
+    asyncio.run(body())
+    assert pull.poll(5000)
+    frames = pull.recv_multipart()
+    assert not pull.poll(100), "one zmq message for the four"
+    batch = wire.decode(frames[0])
+    assert isinstance(batch, wire.Batch)
+    assert [type(m).__name__ for m in batch.messages] == ["Data", "Credit", "Data", "StreamEnd"]
+    assert frames[1:] == [b"a" * 5, b"b" * 7, b"c"]
+
+
+def test_a_long_hold_lets_its_first_messages_go_early_in_batches_that_grow(peer):
     """A drain of 100 messages must not leave as one convoy: the next process would idle until
     the last one is made. They leave after the 16th, 32nd, 64th and 96th post and at the release,
     in order, with their frames."""
-    address = f"ipc://{tmp_path}/peer"
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(address)
-    outbox = Outbox(ctx)
-    try:
+    address, pull, outbox = peer
 
-        async def body():
-            outbox.hold()
-            for rid in range(16):
-                outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
-            assert pull.poll(5000), "the first 16 leave while the hold goes on"
-            for rid in range(16, 100):
-                outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
-            outbox.release()
+    async def body():
+        outbox.hold()
+        for rid in range(16):
+            outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
+        assert pull.poll(5000), "the first 16 leave while the hold goes on"
+        for rid in range(16, 100):
+            outbox.post(address, _data(rid, 1), [rid.to_bytes(2, "little")])
+        outbox.release()
 
-        asyncio.run(body())
-        sizes, rids, frames = [], [], []
-        while sum(sizes) < 100 and pull.poll(5000):
-            parts = pull.recv_multipart()
-            batch = wire.decode(parts[0])
-            sizes.append(len(batch.messages))
-            rids += [m.rid for m in batch.messages]
-            frames += [int.from_bytes(f, "little") for f in parts[1:]]
-    finally:
-        outbox.close(linger_ms=0)
-        pull.close(linger=0)
-        ctx.term()
+    asyncio.run(body())
+    sizes, rids, frames = [], [], []
+    while sum(sizes) < 100 and pull.poll(5000):
+        parts = pull.recv_multipart()
+        batch = wire.decode(parts[0])
+        sizes.append(len(batch.messages))
+        rids += [m.rid for m in batch.messages]
+        frames += [int.from_bytes(f, "little") for f in parts[1:]]
     assert sizes == [16, 16, 32, 32, 4]
     assert rids == frames == list(range(100))
 
