@@ -72,12 +72,13 @@ def tensor_frame(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).tobytes()
 
 
-def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A tensor viewing ``buf`` (no copy)."""
-    if memoryview(buf).nbytes == 0:
+def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int], nbytes: int | None = None) -> torch.Tensor:
+    """A tensor viewing ``buf`` (no copy); ``nbytes``: its size, when the caller knows it."""
+    if (memoryview(buf).nbytes if nbytes is None else nbytes) == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     if dtype in _DIRECT:
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
+        flat = torch.frombuffer(buf, dtype=dtype)
+        return flat if len(shape) == 1 else flat.view(shape)  # 1-D: frombuffer's shape already
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).view(tuple(shape))
 
@@ -129,7 +130,7 @@ def inline_tensors(handle: bytes, frames: Sequence[Any]) -> list[torch.Tensor]:
         if size != nbytes:
             raise InvalidHandle(f"inline relay: frame {i} holds {size} bytes but its tensor "
                                 f"({dtype_name(dtype)} {list(shape)}) needs {nbytes}")
-        out.append(tensor_from_buffer(frame, dtype, shape))
+        out.append(tensor_from_buffer(frame, dtype, shape, size))
     return out
 
 

@@ -351,8 +351,8 @@ class ShmRelay(Relay):
 
     def owns(self, tensor: Any) -> bool:
         """Tensors viewing a mapped segment: the slot is reused once released."""
-        if not tensor.numel() or tensor.device.type != "cpu":
-            return False
+        if not self._maps or not tensor.numel() or tensor.device.type != "cpu":
+            return False  # no segment mapped: small transfers (frames) only
         return any(seg.data is not None and seg.contains(tensor) for seg in self._maps.values())
 
     def _map(self, name: str) -> Segment:
