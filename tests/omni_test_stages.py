@@ -10,6 +10,13 @@ import time
 import torch
 
 
+def write_marker(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` at once (rename): a test polling for the file never reads it empty."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 class Upper:
     def __call__(self, payload, ctx):
         return {"text": payload["text"].upper()}
@@ -158,8 +165,7 @@ class AbortAware:
         end = time.monotonic() + 10
         while time.monotonic() < end:
             if ctx.aborted:
-                with open(payload["marker"], "w") as f:
-                    f.write("aborted")
+                write_marker(payload["marker"], "aborted")
                 return payload
             time.sleep(0.01)
         return payload
@@ -356,8 +362,7 @@ class Gate:
         if os.path.exists(marker):
             _wait_for_file(gate)
         else:
-            with open(marker, "w") as f:
-                f.write(str(os.getpid()))
+            write_marker(marker, str(os.getpid()))
 
     def __call__(self, payload, ctx):
         return {**payload, "pid": os.getpid()}

@@ -11,6 +11,13 @@ import time
 import torch
 
 
+def write_marker(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` at once (rename): a test polling for the file never reads it empty."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 async def _wait_for(path: str, ctx, limit: float = 60.0) -> bool:
     """Until ``path`` exists (True) or the request is aborted / the limit passes (False)."""
     end = time.monotonic() + limit
@@ -41,8 +48,7 @@ class Words:
                     raise ValueError(f"failed after {i + 1} word(s)")
         except asyncio.CancelledError:
             if payload.get("marker"):
-                with open(payload["marker"], "w") as f:
-                    f.write("aborted")
+                write_marker(payload["marker"], "aborted")
             raise
         tensors = {k: payload[k] for k in ("values", "x") if k in payload}  # Shout's tensors, passed on
         return {"text": " ".join(words), "count": len(words), **tensors}
