@@ -9,13 +9,7 @@ import os
 import time
 
 import torch
-
-
-def write_marker(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` at once (rename): a test polling for the file never reads it empty."""
-    with open(f"{path}.tmp", "w") as f:
-        f.write(text)
-    os.replace(f"{path}.tmp", path)
+from omni_test_stages import write_marker
 
 
 async def _wait_for(path: str, ctx, limit: float = 60.0) -> bool:

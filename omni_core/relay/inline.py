@@ -72,9 +72,9 @@ def tensor_frame(tensor: torch.Tensor) -> bytes:
     return tensor_bytes(tensor).tobytes()
 
 
-def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int], nbytes: int | None = None) -> torch.Tensor:
-    """A tensor viewing ``buf`` (no copy); ``nbytes``: its size, when the caller knows it."""
-    if (memoryview(buf).nbytes if nbytes is None else nbytes) == 0:
+def tensor_from_buffer(buf: Any, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> torch.Tensor:
+    """A tensor viewing ``buf`` of ``nbytes`` bytes (no copy)."""
+    if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     if dtype in _DIRECT:
         flat = torch.frombuffer(buf, dtype=dtype)

@@ -69,7 +69,8 @@ class Inbox:
         self.address = address
         self.handler = handler
         self.name = name
-        #: Held while a drain runs: what its handlers post leaves together at the end of the drain.
+        #: Held while a drain runs: what its handlers post leaves together at the end of the drain
+        #: (the first ones earlier, by the outbox's flush schedule).
         self.outbox = outbox
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -93,7 +94,6 @@ class Inbox:
     def _read(self) -> None:
         sock = self.sock
         handler = self.handler
-        outbox = self.outbox
         handled = 0
         while True:
             try:
@@ -125,8 +125,6 @@ class Inbox:
                     handler(msg, frames[1:])
                 except Exception:
                     log.exception("control message handler failed", inbox=self.name, message=type(msg).__name__)
-            if outbox is not None and handled % 64 == 0:  # a long drain: let the outputs go meanwhile
-                outbox.flush()
 
     def _unbatch(self, messages: list, frames: list) -> None:
         counts = [m.nframes if type(m) is wire.Data else 0 for m in messages]
