@@ -14,13 +14,13 @@ def no_payload(request_id, payload):
 
 @omni_core.hookimpl
 def omni_register_stages(register):
-    register(f"{PREFIX}.processor", "omni_transformers.stages:Processor",
+    register(f"{PREFIX}.processor", "omni_transformers.processor:Processor",
              description="Qwen2.5-Omni inputs (text or input_ids) -> model inputs")
-    register(f"{PREFIX}.thinker", "omni_transformers.stages:Thinker",
+    register(f"{PREFIX}.thinker", "omni_transformers.thinker:Thinker",
              description="Qwen2.5-Omni thinker: text tokens, streaming each step to the talker")
-    register(f"{PREFIX}.talker", "omni_transformers.stages:Talker",
+    register(f"{PREFIX}.talker", "omni_transformers.talker:Talker",
              description="Qwen2.5-Omni talker: codec codes from the thinker's live stream")
-    register(f"{PREFIX}.token2wav", "omni_transformers.stages:Token2Wav",
+    register(f"{PREFIX}.token2wav", "omni_transformers.token2wav:Token2Wav",
              description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)")
 
 
