@@ -99,3 +99,67 @@ def test_a_tcp_inbox_must_be_bound_with_keys_and_unadopted_ones_are_released(tmp
     release_inboxes([address])
     forget_trust(keys)
     ctx.term()
+
+
+def _plain_bind(sock: zmq.Socket, address: str, timeout: float = 0) -> None:
+    sock.bind(address)
+
+
+def test_a_released_port_is_closed_when_release_returns(monkeypatch):
+    """``close(linger=0)`` returns before zmq's I/O thread lets go of the listening socket: a
+    rebind right after it failed with EADDRINUSE in 11 runs of 20. Release waits for the port."""
+    from omni_core.runtime import channel
+
+    monkeypatch.setattr(channel, "_bind_when_free", _plain_bind)  # no waiting on the bind side
+    keys = CurveKeys.generate()
+    ctx = zmq.Context()
+    try:
+        for _ in range(150):
+            address = bind_inbox(None, keys=keys, host="127.0.0.1")
+            release_inboxes([address])
+            assert bind_inbox(None, keys=keys, host="127.0.0.1", tcp=address) == address
+            # an adopted inbox closes the same way
+            inbox = Inbox(ctx, address, lambda m, f: None)
+            inbox.close()
+            assert bind_inbox(None, keys=keys, host="127.0.0.1", tcp=address) == address
+            release_inboxes([address])
+    finally:
+        forget_trust(keys)
+        ctx.term()
+
+
+def test_an_exact_tcp_bind_waits_for_a_port_another_socket_still_holds():
+    """A restarted process keeps its address while its predecessor may still hold the port: the
+    bind waits for it (bounded), whichever of the two comes first."""
+    import socket
+    import threading
+
+    keys = CurveKeys.generate()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    address = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    result: list = []
+    binder = threading.Thread(target=lambda: result.append(bind_inbox(None, keys=keys, host="127.0.0.1",
+                                                                      tcp=address)))
+    binder.start()
+    holder.close()
+    binder.join(30)
+    assert result == [address]
+    release_inboxes([address])
+
+    from omni_core.runtime import channel
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    address = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        with pytest.raises(zmq.ZMQError, match="still in use after"):
+            channel._bind_when_free(sock, address, timeout=0.2)
+    finally:
+        sock.close(linger=0)
+        holder.close()
+        forget_trust(keys)
