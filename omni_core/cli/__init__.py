@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from .. import __version__
+from ..logs import DEFAULT_LEVEL
 
 app = typer.Typer(
     name="omni",
@@ -29,7 +30,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-plugins_app = typer.Typer(help="Inspect installed plugins.", no_args_is_help=True)
+plugins_app = typer.Typer(no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
 
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -47,31 +48,54 @@ def debug_enabled() -> bool:
     return os.environ.get("OMNI_DEBUG", "").lower() in ("1", "true", "yes", "on")
 
 
+LOG_LEVEL_HELP = (f"debug, info, {DEFAULT_LEVEL} (default) or error; also OMNI_LOG_LEVEL. Stage processes log at "
+                  "the same level; other libraries (transformers, uvicorn, ray) show only their errors unless "
+                  "the level is info or debug.")
+
+
+def _apply_log_level(value: str | None) -> str | None:
+    """Configure logging for the rest of this process and the processes it starts; the same for
+    ``omni --log-level L CMD`` and ``omni CMD --log-level L`` (the latter wins)."""
+    from ..logs import configure_logging, parse_level
+
+    if value is not None:
+        try:
+            parse_level(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--log-level'") from None
+        os.environ["OMNI_LOG_LEVEL"] = value  # stage processes read it when they configure logging
+    configure_logging(value, force=True)
+    return value
+
+
+#: ``--log-level`` of every subcommand (``log_level: LogLevel = None``): applied as it is parsed.
+LogLevel = Annotated[
+    str | None,
+    typer.Option("--log-level", metavar="LEVEL", callback=lambda value: value and _apply_log_level(value),
+                 is_eager=True, help=LOG_LEVEL_HELP),
+]
+
+
 @app.callback()
 def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
     log_level: Annotated[
-        str | None,
-        typer.Option("--log-level", envvar="OMNI_LOG_LEVEL", metavar="LEVEL",
-                     help="debug, info, warning (default) or error; also OMNI_LOG_LEVEL. Stage processes log at the same level."),
+        str | None, typer.Option("--log-level", envvar="OMNI_LOG_LEVEL", metavar="LEVEL", help=LOG_LEVEL_HELP),
     ] = None,
     debug: Annotated[
         bool, typer.Option("--debug", help="Show Python tracebacks of errors (for bug reports); also OMNI_DEBUG=1.")
     ] = False,
 ) -> None:
-    from ..logs import configure_logging, parse_level
-
     if debug:
         os.environ["OMNI_DEBUG"] = "1"
-    if log_level is not None:
-        try:
-            parse_level(log_level)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="'--log-level'") from None
-        os.environ["OMNI_LOG_LEVEL"] = log_level  # stage processes read it when they configure logging
-    configure_logging(log_level, force=True)
+    _apply_log_level(log_level)
+
+
+@plugins_app.callback()
+def _plugins(log_level: LogLevel = None) -> None:
+    """Inspect installed plugins."""
 
 
 def fail_config(exc, *, source: str, as_json: bool):

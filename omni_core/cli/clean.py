@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
-from . import app, err
+from . import LogLevel, app, err
 
 
 @app.command()
 def clean(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be removed.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
+    log_level: LogLevel = None,
 ) -> None:
     """Report and remove leftovers of runs whose parent process is dead: runtime directories and
     each installed relay's resources (for example /dev/shm segments of the shm relay).

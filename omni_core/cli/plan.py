@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, debug_enabled, err, fail_config
+from . import LogLevel, app, debug_enabled, err, fail_config
 
 
 class PlanFormat(str, enum.Enum):
@@ -42,6 +42,7 @@ def plan(
     fmt: Annotated[
         PlanFormat, typer.Option("--format", help="text (default), json, mermaid or dot.")
     ] = PlanFormat.text,
+    log_level: LogLevel = None,
 ) -> None:
     """Show how a pipeline would run: the GPU of every stage and rank, the process groups, each
     edge's relay, the endpoints and any warnings. Starts nothing and imports no stage code."""

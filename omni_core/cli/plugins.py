@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from . import err, plugins_app
+from . import LogLevel, err, plugins_app
 
 # -- omni plugins list ---------------------------------------------------------------------------
 
@@ -67,6 +67,7 @@ def plugins_list(
     hook: Annotated[
         str | None, typer.Option("--hook", metavar="NAME", help="Only plugins implementing this hook (relays, or omni_register_relays).")
     ] = None,
+    log_level: LogLevel = None,
 ) -> None:
     """List every plugin omni found: id (distribution:entry point), version, status, and what
     each hook registered, one row per kind.
@@ -102,6 +103,7 @@ def plugins_new(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The plugin's name: distribution omni-NAME, package omni_NAME, names NAME.*")],
     directory: Annotated[str, typer.Option("--dir", metavar="DIR", help="Where to create omni-NAME/ (default: the working directory).")] = ".",
     kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay, placement, launcher or api.")] = "stage",
+    log_level: LogLevel = None,
 ) -> None:
     """Write a complete plugin distribution omni-NAME/: pyproject with the omni entry point, the
     plugin module, tests that run it in real processes, a tox matrix and a README."""
@@ -144,6 +146,7 @@ def plugins_check(
     distributions: Annotated[list[str] | None, typer.Argument(metavar="[DIST]...", help="Distributions to check (default: every installed plugin).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the problems as JSON.")] = False,
     smoke: Annotated[bool, typer.Option("--smoke/--no-smoke", help="Run a relay conformance round per relay (default: on).")] = True,
+    log_level: LogLevel = None,
 ) -> None:
     """Load each plugin distribution in a fresh process and report every problem: import and
     hook errors, names not namespaced by the plugin, functions whose signature does not fit

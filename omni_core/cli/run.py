@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from . import app, debug_enabled, err
+from . import LogLevel, app, debug_enabled, err
 
 
 def to_jsonable(value: Any) -> Any:
@@ -328,6 +328,7 @@ def run(
     request_id: Annotated[str | None, typer.Option("--request-id", metavar="ID", help="The id of the request (--input only).")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N",
                                              help="Place stages on N of this machine's GPUs (needs CUDA; to plan for GPUs you do not have, use `omni plan --gpus N`).")] = None,
+    log_level: LogLevel = None,
 ) -> None:
     """Run requests through a pipeline: one (--input) or many (--inputs FILE).
 

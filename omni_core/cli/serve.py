@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
 
-from . import app, err
+from . import LogLevel, app, err
 
 
 @app.command()
 def serve(
-    ctx: typer.Context,
     config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name (e.g. demo).")],
     host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The port to listen on (0: any free port, printed at start).")] = 8000,
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds requests in flight may take to finish after SIGTERM/SIGINT.")] = 30.0,
+    no_console: Annotated[bool, typer.Option("--no-console", help="Do not serve the console (the web page at GET / and its /console/* routes).")] = False,
+    log_level: LogLevel = None,
 ) -> None:
-    """Serve a pipeline over HTTP: JSON and SSE requests, APIs from plugins, /metrics.
+    """Serve a pipeline over HTTP: JSON and SSE requests, APIs from plugins, /metrics, and the
+    console (open the printed URL in a browser: the graph, live state, a playground).
 
     Ready (GET /ready 200) once every stage process is ready. SIGTERM or SIGINT drains: no new
     requests, those in flight finish within --drain-timeout, then everything stops; a second
@@ -32,7 +33,6 @@ def serve(
       omni serve pipeline.yaml --port 9000 --api openai
     """
     from ..errors import ConfigError, OmniError
-    from ..logs import configure_logging
     from .importpath import add_config_import_paths
     from .run import prestart
 
@@ -41,10 +41,8 @@ def serve(
     from ..serve.app import ServeSettings
     from ..serve.server import run
 
-    parent = ctx.parent.params if ctx.parent is not None else {}
-    if not parent.get("log_level") and not os.environ.get("OMNI_LOG_LEVEL"):
-        configure_logging("INFO", force=True)  # the access log and lifecycle lines
-    settings = ServeSettings(config=config, host=host, port=port, apis=tuple(api or ()), drain_timeout=drain_timeout)
+    settings = ServeSettings(config=config, host=host, port=port, apis=tuple(api or ()), drain_timeout=drain_timeout,
+                             console=not no_console)
 
     def announce(url: str) -> None:
         err.print(f"omni serve: {config} on {url}", markup=False, highlight=False)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import app, err, fail_config
+from . import LogLevel, app, err, fail_config
 
 # -- omni validate -------------------------------------------------------------------------------
 
@@ -18,6 +18,7 @@ def validate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N", help="Check placement against N simulated GPUs.")] = None,
     shallow: Annotated[bool, typer.Option("--shallow", help="Do not import stage factories (skips the checks of their arguments).")] = False,
+    log_level: LogLevel = None,
 ) -> None:
     """Check a pipeline config: every error with its path, or a one-line summary.
 
