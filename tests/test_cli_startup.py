@@ -1,6 +1,6 @@
 """Start-up as a user meets it: a failed start names the stage that failed by its config path
 (``stages[i]``, ``.factory``, ``.args``) and fails fast, the pipeline's life is told by log
-events at ``info``, and ``omni run`` prints tensors in the encoding ``omni serve`` uses.
+events at ``info``, and ``omni run`` summarises tensors by their dtype and shape.
 
 The CLI tests run the real ``omni`` console script; the Python API cases run in a subprocess of
 their own (a fresh forkserver that sees the test's modules)."""
@@ -208,9 +208,9 @@ def test_the_life_of_a_pipeline_is_logged_at_info_as_json_lines(work):
     assert by_name["pipeline ready"]["processes"] == 2 and by_name["pipeline ready"]["start_time_s"] > 0
     assert by_name["pipeline stopping"]["reason"] == "stop requested"
     assert "stop_time_s" in by_name["pipeline stopped"]
-    # Tensors in results (and chunks) are printed in omni serve's encoding, not as nested lists.
+    # Tensors in results (and chunks) are summarised by their dtype and shape (--tensor-data: whole).
     assert json.loads(result.stdout.splitlines()[-1]) == {
-        "result": {"x": {"dtype": "float32", "shape": [2, 3], "data": "AACAPwAAgD8AAIA/AACAPwAAgD8AAIA/"}, "text": "x"}
+        "result": {"x": {"tensor": {"dtype": "float32", "shape": [2, 3]}}, "text": "x"}
     }
 
 

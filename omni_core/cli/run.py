@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,13 +15,30 @@ import typer
 from . import LogLevel, app, debug_enabled, err
 
 
-def to_jsonable(value: Any) -> Any:
-    """Results and chunks as JSON, in the one encoding ``omni serve`` speaks too
-    (:mod:`omni_core.encoding`): a tensor or array is ``{"dtype", "shape", "data": base64}``,
-    bytes are ``{"base64": ...}``."""
+def to_jsonable(value: Any, *, tensor_data: bool = False) -> Any:
+    """Results and chunks as JSON. A tensor or array is summarised as ``{"tensor": {"dtype",
+    "shape"}}``; with ``tensor_data`` it is written whole in the one encoding ``omni serve`` speaks
+    too (:mod:`omni_core.encoding`): ``{"dtype", "shape", "data": base64}``. Bytes are
+    ``{"base64": ...}``."""
     from ..encoding import to_jsonable as encode
 
-    return encode(value)
+    return encode(value if tensor_data else summarise_tensors(value))
+
+
+def summarise_tensors(value: Any) -> Any:
+    """``value`` with every torch tensor and numpy array replaced by ``{"tensor": {"dtype": ...,
+    "shape": [...]}}`` (dtype named as in omni's JSON encoding: ``float32``, ``int64`` ...)."""
+    if type(value) in (str, int, float, bool) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {k: summarise_tensors(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [summarise_tensors(v) for v in value]
+    module = type(value).__module__
+    if (module.startswith("torch") and hasattr(value, "detach")) or (module.startswith("numpy") and hasattr(value, "shape")
+                                                                     and hasattr(value, "ndim") and value.ndim > 0):
+        return {"tensor": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}}
+    return value
 
 
 def _parse_input(text: str) -> Any:
@@ -157,7 +175,8 @@ async def _started(config: str, gpus: int | None):
     return pipeline
 
 
-async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | None, gpus: int | None) -> Any:
+async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | None, gpus: int | None,
+                   tensor_data: bool = False) -> Any:
     pipeline = await _started(config, gpus)
     try:
         if not stream:
@@ -167,7 +186,8 @@ async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | Non
             if event.is_result:
                 result = event.data
             else:
-                print(json.dumps({"stage": event.stage, "chunk": to_jsonable(event.data)}), flush=True)
+                chunk = to_jsonable(event.data, tensor_data=tensor_data)
+                print(json.dumps({"stage": event.stage, "chunk": chunk}), flush=True)
         return result
     finally:
         await pipeline.stop()
@@ -214,7 +234,7 @@ async def _submit_retrying(pipeline: Any, inputs: Any, request_id: str) -> Any:
 
 
 async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | None, concurrency: int | None,
-                    gpus: int | None) -> _Batch:
+                    gpus: int | None, tensor_data: bool = False) -> _Batch:
     """Run every line (``(line number, text)``) with at most ``concurrency`` in flight (never more
     than ``limits.max_in_flight``); results are written as they finish, numbered by input line.
 
@@ -260,7 +280,8 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                     start = time.perf_counter()
                     try:
                         inputs = json.loads(line)
-                        record["result"] = to_jsonable(await _submit_retrying(pipeline, inputs, f"line-{number}"))
+                        result = await _submit_retrying(pipeline, inputs, f"line-{number}")
+                        record["result"] = to_jsonable(result, tensor_data=tensor_data)
                         batch.latencies.append(time.perf_counter() - start)
                     except (OmniError, json.JSONDecodeError) as exc:
                         batch.failures += 1
@@ -328,6 +349,8 @@ def run(
     request_id: Annotated[str | None, typer.Option("--request-id", metavar="ID", help="The id of the request (--input only).")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N",
                                              help="Place stages on N of this machine's GPUs (needs CUDA; to plan for GPUs you do not have, use `omni plan --gpus N`).")] = None,
+    tensor_data: Annotated[bool, typer.Option("--tensor-data",
+                                              help="Print tensors whole (dtype, shape and base64 data, as omni serve sends them) instead of only their dtype and shape.")] = False,
     log_level: LogLevel = None,
 ) -> None:
     """Run requests through a pipeline: one (--input) or many (--inputs FILE).
@@ -353,11 +376,12 @@ def run(
     try:
         if input is not None:
             parsed = _parse_input(input)
-            result = asyncio.run(_run_one(config, parsed, stream, request_id, gpus))
-            print(json.dumps({"result": to_jsonable(result)} if stream else to_jsonable(result)))
+            result = to_jsonable(asyncio.run(_run_one(config, parsed, stream, request_id, gpus, tensor_data)),
+                                 tensor_data=tensor_data)
+            print(json.dumps({"result": result} if stream else result))
             return
         lines = [(n, line) for n, line in enumerate(inputs.read_text().splitlines(), start=1) if line.strip()]
-        batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus))
+        batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus, tensor_data))
     except OmniError as exc:
         if debug_enabled():
             raise
