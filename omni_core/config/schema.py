@@ -85,6 +85,8 @@ class ServeConfig:
 
     apis: tuple[str, ...] = ()
     options: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    #: The largest request body, in bytes, any route takes (core routes and APIs alike).
+    max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, metadata=POSITIVE)
 
 
 @attrs.frozen(kw_only=True)

@@ -413,7 +413,9 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
 
     app = Starlette(routes=routes + list(api_routes or []), exception_handlers={404: not_found, 405: not_found})
     app.state.omni = state
-    return AccessLog(app, state)
+    from .limits import BodyLimit
+
+    return AccessLog(BodyLimit(app, state.pipeline.config.serve.max_request_bytes), state)
 
 
 def _note_error(request: Any, exc: BaseException) -> HTTPError:
