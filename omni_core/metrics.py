@@ -10,7 +10,8 @@ the counts of its predecessor, and the number of pids per process name is its re
 
 The runtime calls (stage processes)::
 
-    metrics.stage_call(stage, status, seconds)     # status: ok | error | aborted
+    metrics.stage_started(stage)                   # a call began (the stage's in-flight gauge)
+    metrics.stage_call(stage, status, seconds, request_id)  # it ended; status: ok | error | aborted
     metrics.stream_chunk(stage)                    # one chunk emitted by a stage
     metrics.relay_bytes(relay, src, dst, nbytes)   # tensor bytes put through a relay
 
@@ -20,6 +21,11 @@ The caller's side is measured around ``Pipeline.submit``/``Pipeline.stream`` by
     meter = RequestMeter(pipeline)
     result = await meter.submit(inputs)
     text = meter.prometheus_text()      # or meter.snapshot() for plain data
+
+Besides the aggregates, each stage process keeps its last :data:`RECENT_CALLS` calls (request id,
+stage, start, duration, outcome) in its export, and a :class:`RequestMeter` its last
+:data:`RECENT_REQUESTS` requests (id, outcome, latency, chunks per stage): ``omni serve``'s console
+joins them by request id into a per-stage timeline of each recent request.
 """
 
 from __future__ import annotations
@@ -31,11 +37,18 @@ import os
 import threading
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 #: Seconds between two exports of a stage process's metrics (only when something changed).
 EXPORT_INTERVAL = 0.25
+
+#: Stage calls a process remembers for per-request timelines (its export's ``calls``).
+RECENT_CALLS = 256
+
+#: Requests a :class:`RequestMeter` remembers (:attr:`RequestMeter.recent`).
+RECENT_REQUESTS = 50
 
 #: Histogram buckets (seconds): from sub-millisecond hops to minute-long generations.
 BUCKETS: tuple[float, ...] = (
@@ -49,11 +62,15 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "omni_time_to_first_chunk_seconds": ("histogram", "Time from admission to the first streamed chunk.", ("pipeline",)),
     "omni_requests_in_flight": ("gauge", "Requests admitted and not ended.", ("pipeline",)),
     "omni_stage_calls_total": ("counter", "Stage calls that ended, by outcome (ok, error, aborted).", ("stage", "status")),
+    "omni_stage_in_flight": ("gauge", "Stage calls running now (live processes only).", ("stage",)),
     "omni_stage_duration_seconds": ("histogram", "Duration of one stage call.", ("stage",)),
     "omni_stream_chunks_total": ("counter", "Chunks a stage emitted.", ("stage",)),
     "omni_relay_bytes_total": ("counter", "Tensor bytes put through a relay, by sending and receiving process.", ("relay", "src", "dst")),
     "omni_process_restarts_total": ("counter", "Times a stage process was restarted.", ("process",)),
 }
+
+#: Gauges the stage processes count: a dead process's last value is not summed.
+PROCESS_GAUGES = ("omni_stage_in_flight",)
 
 Labels = tuple[str, ...]
 
@@ -64,6 +81,8 @@ class Store:
     def __init__(self) -> None:
         self.values: dict[str, dict[Labels, float]] = {}
         self.histograms: dict[str, dict[Labels, list[float]]] = {}
+        #: the last stage calls: ``[request_id, stage, start (epoch s), seconds, status]``
+        self.calls: deque[list[Any]] = deque(maxlen=RECENT_CALLS)
         self.version = 0
 
     def inc(self, name: str, labels: Labels, value: float = 1.0) -> None:
@@ -117,9 +136,17 @@ local = Store()
 # -- what the runtime calls (stage processes) ------------------------------------------------------
 
 
-def stage_call(stage: str, status: str, seconds: float) -> None:
+def stage_started(stage: str) -> None:
+    local.inc("omni_stage_in_flight", (stage,))
+
+
+def stage_call(stage: str, status: str, seconds: float, request_id: str | None = None) -> None:
+    """A call of ``stage`` ended (one :func:`stage_started` before it)."""
+    local.inc("omni_stage_in_flight", (stage,), -1.0)
     local.inc("omni_stage_calls_total", (stage, status))
     local.observe("omni_stage_duration_seconds", (stage,), seconds)
+    if request_id is not None:
+        local.calls.append([request_id, stage, time.time() - seconds, seconds, status])
 
 
 def stream_chunk(stage: str) -> None:
@@ -162,7 +189,7 @@ class Exporter:
         version = self.store.version
         if version == self._written:
             return
-        data = {"process": self.process, "pid": os.getpid(), **self.store.snapshot()}
+        data = {"process": self.process, "pid": os.getpid(), **self.store.snapshot(), "calls": list(self.store.calls)}
         partial = f"{self.path}.partial"
         try:
             with open(partial, "w") as f:
@@ -218,12 +245,30 @@ def restarts(exports: list[dict[str, Any]]) -> dict[str, int]:
     return {name: len(p) - 1 for name, p in pids.items()}
 
 
-def collect(pipeline: Any, *, caller: Store | None = None) -> dict[str, Any]:
+def live_exports(pipeline: Any, exports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``exports`` with the :data:`PROCESS_GAUGES` of processes that are gone left out (a
+    process killed mid-call never counted its calls down)."""
+    pids = getattr(pipeline, "pids", None)
+    if pids is None:
+        return exports
+    live = {pid for pid in pids().values() if pid is not None}
+    out = []
+    for export in exports:
+        if export.get("pid") not in live:
+            values = {n: v for n, v in export.get("values", {}).items() if n not in PROCESS_GAUGES}
+            export = {**export, "values": values}
+        out.append(export)
+    return out
+
+
+def collect(pipeline: Any, *, caller: Store | None = None, exports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The pipeline's metrics over every process: the stage processes' exports (at most
-    :data:`EXPORT_INTERVAL` old), ``caller``'s counts (request metrics), and restarts."""
-    exports = read_processes(getattr(pipeline, "runtime_dir", None))
+    :data:`EXPORT_INTERVAL` old; ``exports``: those already read), ``caller``'s counts (request
+    metrics), and restarts."""
+    if exports is None:
+        exports = read_processes(getattr(pipeline, "runtime_dir", None))
     restart_counts = restarts(exports)
-    snap = merge([*exports, *([caller.snapshot()] if caller is not None else [])])
+    snap = merge([*live_exports(pipeline, exports), *([caller.snapshot()] if caller is not None else [])])
     if restart_counts:
         snap["values"]["omni_process_restarts_total"] = [[[name], float(n)] for name, n in sorted(restart_counts.items())]
     return snap
@@ -237,13 +282,18 @@ class RequestMeter:
     first chunk and requests in flight. ``status`` of ``omni_requests_total`` is one of ``ok``,
     ``error`` (a stage failed or a process died), ``overloaded``, ``timeout``, ``aborted``
     (abort, client gone, pipeline stopped), ``unavailable`` (pipeline not running), ``invalid``
-    (bad inputs or request id)."""
+    (bad inputs or request id).
+
+    :attr:`recent` holds the last :data:`RECENT_REQUESTS` requests that ended, oldest first:
+    ``{"id", "status", "start" (epoch s), "seconds", "stream", "chunks": {stage: [count, first s,
+    last s]}, "error": {"type", "stage"} or None}`` (chunk times from the request's start)."""
 
     def __init__(self, pipeline: Any, store: Store | None = None):
         self.pipeline = pipeline
         self.name = pipeline.config.name
         self.store = store or Store()
         self.in_flight = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self.store.values.setdefault("omni_requests_in_flight", {})[(self.name,)] = 0.0
 
     def _gauge(self, delta: int) -> None:
@@ -258,41 +308,65 @@ class RequestMeter:
     def first_chunk(self, seconds: float) -> None:
         self.store.observe("omni_time_to_first_chunk_seconds", (self.name,), seconds)
 
+    def _remember(self, request_id: str | None, status: str, wall: float, seconds: float,
+                  chunks: dict[str, list[float]] | None, error: BaseException | None) -> None:
+        stage = getattr(error, "stage", None) or next(iter(getattr(error, "stages", None) or ()), None)
+        self.recent.append({
+            "id": request_id, "status": status, "start": wall, "seconds": seconds, "stream": chunks is not None,
+            "chunks": chunks or {},
+            "error": None if error is None else {"type": getattr(error, "error_type", None) or type(error).__name__, "stage": stage},
+        })
+
     async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         self._gauge(+1)
         status = "error"
+        error = None
         try:
             result = await self.pipeline.submit(inputs, request_id=request_id)
             status = "ok"
             return result
         except BaseException as exc:
-            status = outcome(exc)
+            status, error = outcome(exc), exc
             raise
         finally:
             self._gauge(-1)
-            self.ended(status, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.ended(status, seconds)
+            self._remember(request_id, status, wall, seconds, None, error)
 
     async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Any]:
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         self._gauge(+1)
         status = "aborted"  # left before the result: the caller stopped reading
+        error = None
         first = True
+        chunks: dict[str, list[float]] = {}
         try:
             async for event in self.pipeline.stream(inputs, request_id=request_id):
-                if first and not event.is_result:
-                    first = False
-                    self.first_chunk(time.perf_counter() - start)
+                if not event.is_result:
+                    now = time.perf_counter() - start
+                    if first:
+                        first = False
+                        self.first_chunk(now)
+                    seen = chunks.get(event.stage)
+                    if seen is None:
+                        chunks[event.stage] = [1, now, now]
+                    else:
+                        seen[0] += 1
+                        seen[2] = now
                 if event.is_result:
                     status = "ok"
                 yield event
         except BaseException as exc:
             if status != "ok":  # closing the iterator after the result is no abort
-                status = outcome(exc)
+                status, error = outcome(exc), exc
             raise
         finally:
             self._gauge(-1)
-            self.ended(status, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.ended(status, seconds)
+            self._remember(request_id, status, wall, seconds, chunks, error)
 
     def snapshot(self) -> dict[str, Any]:
         return collect(self.pipeline, caller=self.store)

@@ -125,6 +125,10 @@ class Pipeline:
         """Process name → pid of every stage process."""
         return {name: h.pid for name, h in self.runner.handles.items()}
 
+    def process_states(self) -> dict[str, dict]:
+        """Process name → ``{"state": ..., "restarts": n}`` (see ``Runner.process_states``)."""
+        return self.runner.process_states()
+
     async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """How much per-request state each part holds: ``{"coordinator": {...}, process: {...}}``
         with the number of entries of every table (requests, ended ids, stream windows and

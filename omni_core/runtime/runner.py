@@ -117,6 +117,7 @@ class Runner:
         self._byes: dict[str, asyncio.Future] = {}
         self._heard: dict[str, float] = {}  # process → last heartbeat (monotonic), once ready
         self._hung: dict[str, float] = {}  # process → silence when it was killed as hung
+        self._dead: set[str] = set()  # processes that died while serving, until relaunched
         self._restarting: dict[str, asyncio.Task] = {}  # group leader → its restart
         self._again: set[str] = set()  # groups to restart once more (a death during their restart)
         self._running = asyncio.Event()
@@ -158,6 +159,28 @@ class Runner:
     def live(self, name: str) -> bool:
         handle = self.handles.get(name)
         return handle is not None and handle.exitcode is None
+
+    def process_states(self) -> dict[str, dict[str, Any]]:
+        """Process name → its supervision state and restarts: ``state`` is ``starting``,
+        ``running``, ``restarting`` (its group is being restarted), ``dead`` (it died and will
+        not be restarted), ``stopping`` or ``stopped``; ``restarts`` counts its restarts."""
+        restarting = {n for leader in self._restarting for n in self.group_of(leader)}
+        out = {}
+        for name, boot in self.boots.items():
+            handle = self.handles.get(name)
+            alive = handle is not None and handle.exitcode is None
+            if name in restarting:
+                state = "restarting"
+            elif name in self._dead:
+                state = "dead"
+            elif self.state in ("stopping", "stopped"):
+                state = "stopping" if alive else "stopped"
+            elif not alive:
+                state = "dead" if handle is not None else "starting"
+            else:
+                state = "running" if self._is_ready(name) else "starting"
+            out[name] = {"state": state, "restarts": boot.generation}
+        return out
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -250,6 +273,7 @@ class Runner:
         self._ready[name] = self._loop.create_future()
         self._heard.pop(name, None)
         self._hung.pop(name, None)
+        self._dead.discard(name)
         handle = self.launcher.start(self.boots[name])
         self.handles[name] = handle
         self._loop.add_reader(handle.sentinel, self._on_exit, name, handle)
@@ -376,6 +400,7 @@ class Runner:
         if self.state in ("stopping", "stopped", "new", "starting"):
             return  # expected (stopping), or handled by the start (starting)
         silent = self._hung.pop(name, None)
+        self._dead.add(name)
 
         def error(req: Any) -> BaseException:
             rid = getattr(req, "request_id", None)

@@ -338,6 +338,7 @@ class StageRuntime:
                 await slots.acquire()
             try:
                 started = perf_counter()
+                metrics.stage_started(self.name)
                 parent = self.host.traces.get(rid) if self.host.traces else None
                 if parent:
                     with tracing.stage_span(self.name, request_id=request_id, parent=parent):
@@ -346,7 +347,7 @@ class StageRuntime:
                     result = await self.obj(payload, ctx)
                 else:
                     result = await self._call(payload, ctx)
-                metrics.stage_call(self.name, "ok", perf_counter() - started)
+                metrics.stage_call(self.name, "ok", perf_counter() - started, request_id)
                 started = None
                 del payload
                 if self.streaming_sources:
@@ -365,13 +366,13 @@ class StageRuntime:
                 slots.release()
         except asyncio.CancelledError:
             if started is not None:
-                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", perf_counter() - started)
+                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", perf_counter() - started, request_id)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
                 self.host.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
             if started is not None:
-                metrics.stage_call(self.name, "error", perf_counter() - started)
+                metrics.stage_call(self.name, "error", perf_counter() - started, request_id)
             self.host.fail(rid, self.name, exc)
         finally:
             inbound.release()

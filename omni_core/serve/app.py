@@ -25,8 +25,11 @@ from ..logs import get_logger
 from ..metrics import RequestMeter
 from .errors import RETRY_AFTER, HTTPError, describe, error_body, error_response
 
+#: Paths of the console (``GET /``, see :mod:`.console`).
+CONSOLE_PATHS = ("/", "/console/static/{name}", "/console/events", "/console/state", "/console/requests")
+
 #: Paths of the core routes; an API may not take them.
-CORE_PATHS = ("/health", "/ready", "/metrics", "/v1/plugins", "/v1/pipelines", "/v1/pipelines/{name}/requests")
+CORE_PATHS = ("/health", "/ready", "/metrics", "/v1/plugins", "/v1/pipelines", "/v1/pipelines/{name}/requests", *CONSOLE_PATHS)
 
 
 @attrs.define
@@ -38,6 +41,7 @@ class ServeSettings:
     port: int = 8000
     apis: tuple[str, ...] = ()
     drain_timeout: float = 30.0
+    console: bool = True  # the console at GET / (``--no-console``: off)
 
 
 class ServeState:
@@ -406,6 +410,10 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
         Route("/v1/pipelines", pipelines, methods=["GET"]),
         Route("/v1/pipelines/{name}/requests", requests, methods=["POST"]),
     ]
+    if state.settings.console:
+        from . import console
+
+        routes += console.routes(state)
 
     async def not_found(request, exc):
         return error_response(HTTPError(exc.status_code, "NotFound" if exc.status_code == 404 else "HTTPError",

@@ -1,0 +1,319 @@
+"""The console's server side over plain HTTP: the page and its files, the push channel
+(``/console/events``: topology, then live state from the metrics and supervision states), the
+playground route, ``--no-console``, and what the console must never show."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omni_core.metrics import BUCKETS, Store, live_exports
+from omni_core.serve.console import STATIC, quantile, strip_paths
+from omni_core.testing.serve import ServerProcess, sse_events
+
+HERE = Path(__file__).parent
+CONFIGS = HERE / "configs" / "serve"
+ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+STATIC_DIR = Path(__file__).parents[1] / "omni_core" / "serve" / "static"
+
+
+# -- pure parts ----------------------------------------------------------------------------------------
+
+
+def test_quantiles_come_from_the_histogram_buckets():
+    store = Store()
+    for seconds in [0.002] * 98 + [0.7, 0.7]:
+        store.observe("h", ("s",), seconds)
+    row = store.histograms["h"][("s",)]
+    assert BUCKETS[0] < quantile(row, 0.5) <= BUCKETS[1]  # 2 ms falls in the (1 ms, 2.5 ms] bucket
+    assert 0.5 < quantile(row, 0.99) <= 1.0
+    assert quantile([0.0] * (len(BUCKETS) + 3), 0.5) is None
+
+
+def test_a_traceback_keeps_file_names_but_no_directories():
+    tb = 'Traceback (most recent call last):\n  File "/home/me/app/stages.py", line 3, in f\n    raise ValueError\n' \
+         '  File "C:\\work\\x.py", line 1, in g\n'
+    assert strip_paths(tb) == 'Traceback (most recent call last):\n  File "stages.py", line 3, in f\n    raise ValueError\n' \
+                              '  File "x.py", line 1, in g\n'
+
+
+def test_the_in_flight_gauge_of_a_dead_process_is_not_summed():
+    class FakePipeline:
+        def pids(self):
+            return {"a": 11}
+
+    exports = [{"process": "a", "pid": 10, "values": {"omni_stage_in_flight": [[["x"], 2.0]], "omni_stage_calls_total": [[["x", "ok"], 5.0]]}},
+               {"process": "a", "pid": 11, "values": {"omni_stage_in_flight": [[["x"], 1.0]]}}]
+    kept = live_exports(FakePipeline(), exports)
+    assert kept[0]["values"] == {"omni_stage_calls_total": [[["x", "ok"], 5.0]]}
+    assert kept[1]["values"] == exports[1]["values"]
+
+
+def test_the_page_fetches_nothing_from_elsewhere():
+    """Every URL in the page's files is this server's (a path) or the SVG namespace name."""
+    for name in ["console.html", *STATIC]:
+        text = (STATIC_DIR / name).read_text()
+        urls = set(re.findall(r"[a-z]+://[^\s\"')]+", text))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
+        assert "@import" not in text
+
+
+# -- a real server ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(str(CONFIGS / "words.yaml"), "--drain-timeout", "10", env=ENV).start()
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.output()
+        srv.assert_nothing_left()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+class Events:
+    """The push channel read in a thread: every ``(event, data)`` as it arrives."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.events: list[tuple[str, dict]] = []
+        self.ended = threading.Event()
+        self.error: Exception | None = None  # how the stream ended, when not at its end
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("GET", f"{self.url}/console/events", timeout=30) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                block: list[str] = []
+                for line in r.iter_lines():
+                    if self._stop:
+                        return
+                    if line:
+                        block.append(line)
+                        continue
+                    for name, data in sse_events(block):
+                        self.events.append((name, json.loads(data)))
+                    block = []
+        except httpx.HTTPError as exc:
+            self.error = exc
+        finally:
+            self.ended.set()
+
+    def states(self) -> list[dict]:
+        return [data for name, data in self.events if name == "state"]
+
+    def wait(self, predicate, deadline: float = 30.0) -> dict:
+        """The first state (from now on) for which ``predicate`` holds."""
+        end = time.monotonic() + deadline
+        seen = len(self.states())
+        while time.monotonic() < end:
+            states = self.states()
+            for state in states[seen:]:
+                if predicate(state):
+                    return state
+            seen = len(states)
+            time.sleep(0.05)
+        raise AssertionError(f"no state matched within {deadline} s; last: {self.states()[-1:]}")
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+
+
+def test_the_page_and_its_files_are_served_with_a_policy_that_keeps_it_local(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'src="/console/static/console.js"' in r.text and 'href="/console/static/console.css"' in r.text
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "script-src 'self'" in csp
+    assert client.get("/console/static/console.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/console/static/console.css").headers["content-type"].startswith("text/css")
+    missing = client.get("/console/static/..%2Fapp.py")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFound"
+    assert client.get("/console/static/console.html").status_code == 404
+
+
+def test_the_push_channel_sends_the_topology_then_live_state_that_follows_the_requests(server, client):
+    events = Events(server.url)
+    try:
+        first = events.wait(lambda s: True)
+        name, topo = events.events[0]
+        assert name == "topology"
+        assert topo["pipeline"] == "words" and topo["stages"] == ["shout", "words"] and topo["entry"] == "shout"
+        assert [(g["name"], g["stages"], g["gpus"]) for g in topo["groups"]] == [("shout", ["shout"], []), ("words", ["words"], [])]
+        assert [(e["src"], e["dst"], e["kind"], e["label"]) for e in topo["edges"]] == [("shout", "words", "next", "shm")]
+        assert topo["example"] == {} and topo["openai"] is False
+        assert first["pipeline"]["state"] == "running" and first["pipeline"]["ready"] is True
+        assert {n: p["state"] for n, p in first["processes"].items()} == {"shout": "running", "words": "running"}
+        before = first["stages"]["words"]["calls"]
+
+        for i in range(3):
+            r = client.post("/v1/pipelines/words/requests", json={"input": {"text": f"live {i}"}, "request_id": f"push-{i}"})
+            assert r.status_code == 200
+        state = events.wait(lambda s: s["stages"]["words"]["calls"] >= before + 3 and
+                            any(r["id"] == "push-2" and len(r["stages"]) == 2 for r in s["recent"]))
+        words = state["stages"]["words"]
+        assert words["errors"] == 0 and words["p50"] is not None and words["p50"] <= words["p99"]
+        assert state["pipeline"]["requests"]["ok"] >= 3
+        recent = next(r for r in state["recent"] if r["id"] == "push-2")
+        assert recent["status"] == "ok" and recent["error"] is None and recent["stream"] is False
+        shout, word = recent["stages"]
+        assert (shout["stage"], word["stage"]) == ("shout", "words") and shout["status"] == word["status"] == "ok"
+        assert 0 <= shout["start"] <= word["start"] <= recent["seconds"] + 1.0
+        assert [r["id"] for r in state["recent"][:3]] == ["push-2", "push-1", "push-0"]  # newest first
+        # requests/s is measured over the last seconds: it goes back to 0 once nothing runs
+        assert state["pipeline"]["requests_per_s"] > 0 or state["stages"]["words"]["requests_per_s"] > 0
+        events.wait(lambda s: s["stages"]["words"]["requests_per_s"] == 0, deadline=20)
+    finally:
+        events.close()
+
+
+def test_a_request_in_flight_shows_in_its_stage_and_the_pipeline(server, client, tmp_path):
+    gate = tmp_path / "gate"
+    events = Events(server.url)
+    done: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: done.append(client.post(
+        "/v1/pipelines/words/requests", json={"input": {"text": "held here", "gate": str(gate)}})))
+    sender.start()
+    try:
+        state = events.wait(lambda s: s["stages"]["words"]["in_flight"] == 1)
+        assert state["pipeline"]["in_flight"] == 1 and state["stages"]["shout"]["in_flight"] == 0
+        gate.write_text("go")
+        sender.join(30)
+        assert done and done[0].status_code == 200
+        events.wait(lambda s: s["stages"]["words"]["in_flight"] == 0 and s["pipeline"]["in_flight"] == 0)
+    finally:
+        gate.write_text("go")
+        sender.join(30)
+        events.close()
+
+
+def test_the_playground_streams_chunks_then_the_result(client):
+    with client.stream("POST", "/console/requests", json={"input": {"text": "one two three"}}) as r:
+        assert r.status_code == 200
+        events = sse_events(list(r.iter_lines()))
+    names = [name for name, _ in events]
+    assert names == ["chunk", "chunk", "chunk", "result"]
+    assert [json.loads(d)["data"]["text"] for _, d in events[:3]] == ["ONE", "TWO", "THREE"]
+    assert all(json.loads(d)["stage"] == "words" for _, d in events[:3])
+    assert json.loads(events[-1][1])["result"]["text"] == "ONE TWO THREE"
+
+
+def test_a_playground_error_names_the_stage_with_its_traceback_and_no_paths(client):
+    with client.stream("POST", "/console/requests", json={"input": {"text": "a b c", "fail_after": 2}}) as r:
+        events = sse_events(list(r.iter_lines()))
+    assert [name for name, _ in events] == ["chunk", "chunk", "error"]
+    error = json.loads(events[-1][1])
+    assert error["type"] == "ValueError" and error["stage"] == "words" and error["message"] == "failed after 2 word(s)"
+    assert 'File "serve_stages.py"' in error["traceback"] and "raise ValueError" in error["traceback"]
+    assert str(HERE) not in error["traceback"] and not re.search(r'File "[^"]*/', error["traceback"])
+
+
+def test_playground_bodies_are_checked_like_the_request_route(client):
+    r = client.post("/console/requests", json={"inputs": {}})
+    assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]
+    assert client.post("/console/requests", content=b"{").status_code == 400
+
+
+def test_the_console_shows_no_path_address_or_environment(server, client):
+    body = client.get("/console/state").json()
+    text = json.dumps(body)
+    assert set(body) == {"topology", "state"}
+    for leak in ("omni-run-", "/tmp", str(HERE), "ipc://", "tcp://", "PYTHONPATH", "OMP_", "CUDA_VISIBLE", "env", "endpoint"):
+        assert leak not in text, leak
+
+    def strings(value):
+        if isinstance(value, dict):
+            for v in value.values():
+                yield from strings(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from strings(v)
+        elif isinstance(value, str):
+            yield value
+
+    assert [s for s in strings(body) if "/" in s] == ["/v1/pipelines/words/requests"]
+    shown = client.get("/v1/pipelines").json()["pipelines"][0]["processes"]
+    assert {n: p["pid"] for n, p in body["state"]["processes"].items()} == shown
+
+
+def test_an_api_may_not_take_the_console_paths():
+    from omni_core.serve.app import CORE_PATHS
+
+    assert {"/", "/console/events", "/console/requests"} <= set(CORE_PATHS)
+
+
+# -- restarts, --no-console, drain -------------------------------------------------------------------
+
+
+def test_a_killed_process_shows_as_restarting_then_running_with_its_restart_counted():
+    server = ServerProcess(str(CONFIGS / "restarting.yaml"), env=ENV).start()
+    events = Events(server.url)
+    try:
+        first = events.wait(lambda s: True)
+        pid = first["processes"]["words"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        after = events.wait(lambda s: s["processes"]["words"]["restarts"] == 1 and s["processes"]["words"]["state"] == "running"
+                            and s["pipeline"]["state"] == "running")
+        assert after["processes"]["words"]["pid"] != pid and after["pipeline"]["restarts"] == 1
+        assert after["processes"]["shout"] == {**first["processes"]["shout"]}
+        seen = {s["processes"]["words"]["state"] for s in events.states()}
+        assert seen <= {"running", "restarting", "starting"}, seen
+
+        os.kill(after["processes"]["words"]["pid"], signal.SIGKILL)  # past max_restarts: it stays dead
+        dead = events.wait(lambda s: s["processes"]["words"]["state"] == "dead")
+        assert dead["pipeline"]["state"] in ("stopping", "stopped")
+        final = events.wait(lambda s: s["pipeline"]["state"] == "stopped")
+        assert final["processes"]["words"]["state"] == "dead" and final["processes"]["shout"]["state"] == "stopped"
+    finally:
+        events.close()
+        code = server.stop()
+        assert code == 0, server.output()
+        server.assert_nothing_left()
+
+
+def test_no_console_serves_no_page_and_no_push_channel():
+    server = ServerProcess(str(CONFIGS / "words.yaml"), "--no-console", env=ENV).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for path in ("/", "/console/events", "/console/state", "/console/static/console.js"):
+                assert client.get(path).status_code == 404, path
+            assert client.post("/console/requests", json={"input": {}}).status_code in (404, 405)
+            assert client.get("/ready").status_code == 200
+    finally:
+        assert server.stop() == 0, server.output()
+        server.assert_nothing_left()
+
+
+def test_an_open_push_channel_ends_when_the_server_drains():
+    server = ServerProcess(str(CONFIGS / "words.yaml"), env=ENV).start()
+    events = Events(server.url)
+    try:
+        events.wait(lambda s: True)
+        server.signal(signal.SIGTERM)
+        assert server.wait(30) == 0, server.output()
+        # The channel ended itself when the drain began; uvicorn did not have to cut it.
+        assert events.ended.wait(10) and events.error is None, events.error
+        assert not any(name == "state" and data["pipeline"]["state"] == "stopped" for name, data in events.events)
+    finally:
+        events.close()
+        server.stop()
+        server.assert_nothing_left()
