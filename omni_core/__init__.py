@@ -32,8 +32,10 @@ from .plugins import hookimpl
 # The runtime imports torch and zmq; load it only when used, so `omni plugins list`, `omni
 # validate` and plugin modules that only register names stay fast.
 _LAZY = {
+    "DecodeLoop": "omni_core.decode_loop",
     "Event": "omni_core.runtime.requests",
     "MicroBatcher": "omni_core.batching",
+    "PENDING": "omni_core.runtime.context",
     "Pipeline": "omni_core.runtime.pipeline",
     "StageContext": "omni_core.runtime.context",
     "SyncPipeline": "omni_core.runtime.sync",
@@ -52,8 +54,10 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
+    "DecodeLoop",
     "Event",
     "MicroBatcher",
+    "PENDING",
     "Pipeline",
     "StageContext",
     "SyncPipeline",
