@@ -12,10 +12,64 @@ def no_payload(request_id, payload):
     return []
 
 
+# The stage names the processor's routing and the thinker's fan-in expect (both pipelines use them).
+AUDIO_ENCODER, VISION_ENCODER, PROCESSOR = "audio_encoder", "vision_encoder", "processor"
+# The processor's output keys that only the encoders read.
+_AUDIO_KEYS, _IMAGE_KEYS = ("audio_features",), ("pixel_values",)
+
+
+def route_inputs(request_id, payload):
+    """Route function of the processor: thinker, talker and token2wav, plus the audio encoder when
+    the request has audio and the vision encoder when it has images."""
+    targets = ["thinker", "talker", "token2wav"]
+    if payload.get("audio_features"):
+        targets.append(AUDIO_ENCODER)
+    if payload.get("pixel_values") is not None:
+        targets.append(VISION_ENCODER)
+    return targets
+
+
+def wait_for_encoders(request_id, from_stage, payload):
+    """wait_for function of the thinker: the processor's payload, plus the audio / vision encoder's
+    when the request has audio / images (a text-only request waits for nothing more)."""
+    if from_stage != PROCESSOR:
+        return None  # known once the processor's payload is here
+    needed = [PROCESSOR]
+    if payload.get("audio_seqlens"):
+        needed.append(AUDIO_ENCODER)
+    if payload.get("image_grid_thw"):
+        needed.append(VISION_ENCODER)
+    return needed
+
+
+def text_inputs(payload):
+    """Projection: the processor's output without what only the encoders read."""
+    return {k: v for k, v in payload.items() if k not in _AUDIO_KEYS + _IMAGE_KEYS}
+
+
+def speech_inputs(payload):
+    """Projection: the processor's output without the prompt's audio and image inputs (talker, token2wav)."""
+    return {k: v for k, v in payload.items() if k not in _AUDIO_KEYS + _IMAGE_KEYS + ("audio_seqlens", "image_grid_thw")}
+
+
+def audio_inputs(payload):
+    """Projection: what the audio encoder reads."""
+    return {"audio_features": payload["audio_features"], "audio_seqlens": payload["audio_seqlens"]}
+
+
+def image_inputs(payload):
+    """Projection: what the vision encoder reads."""
+    return {"pixel_values": payload["pixel_values"], "image_grid_thw": payload["image_grid_thw"]}
+
+
 @omni_core.hookimpl
 def omni_register_stages(register):
     register(f"{PREFIX}.processor", "omni_transformers.processor:Processor",
-             description="Qwen2.5-Omni inputs (text or input_ids) -> model inputs")
+             description="Qwen2.5-Omni inputs (chat messages with text, audio, images) -> model inputs")
+    register(f"{PREFIX}.audio_encoder", "omni_transformers.encoders:AudioEncoder",
+             description="Qwen2.5-Omni audio tower: audio features -> embeddings, micro-batched")
+    register(f"{PREFIX}.vision_encoder", "omni_transformers.encoders:VisionEncoder",
+             description="Qwen2.5-Omni vision tower: image patches -> embeddings, micro-batched")
     register(f"{PREFIX}.thinker", "omni_transformers.thinker:Thinker",
              description="Qwen2.5-Omni thinker: text tokens, streaming each step to the talker")
     register(f"{PREFIX}.talker", "omni_transformers.talker:Talker",
@@ -27,6 +81,10 @@ def omni_register_stages(register):
 @omni_core.hookimpl
 def omni_register_functions(register):
     register(f"{PREFIX}.no_payload", no_payload, kind="route", description=no_payload.__doc__)
+    register(f"{PREFIX}.route_inputs", route_inputs, kind="route", description=route_inputs.__doc__)
+    register(f"{PREFIX}.wait_for_encoders", wait_for_encoders, kind="wait_for", description=wait_for_encoders.__doc__)
+    for fn in (text_inputs, speech_inputs, audio_inputs, image_inputs):
+        register(f"{PREFIX}.{fn.__name__}", fn, kind="project_payload", description=fn.__doc__)
 
 
 @omni_core.hookimpl

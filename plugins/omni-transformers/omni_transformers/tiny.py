@@ -41,13 +41,40 @@ THINKER_EOS_SCALE = 1.7
 TALKER_EOS_SCALE = 2.4
 SAMPLE_RATE = 24000
 
+# Renders content parts as the real checkpoint's template does: an audio part is
+# <|audio_bos|><|AUDIO|><|audio_eos|>, an image part <|vision_bos|><|IMAGE|><|vision_eos|>, a text part its text.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' or 'audio' in part %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif part['type'] == 'image' or 'image' in part %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# What the tokenizer calls its special tokens (Qwen2_5OmniProcessor reads tokenizer.audio_token ...).
+TOKENIZER_SPECIAL_NAMES = {
+    "audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>",
+    "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+}
+# preprocessor_config.json: the real checkpoint's feature extractor and image processor settings,
+# scaled down (16 mel bins as the tiny audio tower takes, audio up to 10 s, images up to 112 x 112).
+AUDIO_SECONDS = 10
+PREPROCESSOR_CONFIG = {
+    "processor_class": "Qwen2_5OmniProcessor",
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 16, "sampling_rate": 16000, "hop_length": 160, "chunk_length": AUDIO_SECONDS, "n_fft": 400,
+    "n_samples": AUDIO_SECONDS * 16000, "nb_max_frames": AUDIO_SECONDS * 100, "padding_side": "right",
+    "padding_value": 0.0, "dither": 0.0, "return_attention_mask": True,
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
+    "resample": 3, "min_pixels": 56 * 56, "max_pixels": 112 * 112,
+    "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+}
 
 
 def tiny_config():
@@ -73,8 +100,8 @@ def tiny_config():
             "d_model": 16, "output_dim": hidden, "max_source_positions": 64, "n_window": 8,
         },
         "vision_config": {
-            "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
-            "fullatt_block_indexes": [0], "window_size": 28, "patch_size": 14, "temporal_patch_size": 2,
+            "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
+            "fullatt_block_indexes": [1], "window_size": 56, "patch_size": 14, "temporal_patch_size": 2,
         },
         "text_config": {
             "vocab_size": TEXT_VOCAB, "hidden_size": hidden, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -148,6 +175,7 @@ def tiny_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
+        extra_special_tokens=TOKENIZER_SPECIAL_NAMES,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -186,6 +214,7 @@ def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
         model.talker.codec_head.weight[CODEC_EOS] *= TALKER_EOS_SCALE
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
     torch.save(tiny_speakers(config, seed), path / "spk_dict.pt")
     (path / "omni_transformers.json").write_text(json.dumps({"sample_rate": SAMPLE_RATE, "tiny": True}) + "\n")
     return path

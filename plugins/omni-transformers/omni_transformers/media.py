@@ -1,0 +1,112 @@
+"""Decoding a request's audio and images: files (paths), encoded bytes or tensors → what
+Qwen2.5-Omni's feature extractor and image processor take (16 kHz mono float32, RGB images).
+
+Every error names the part it is about (``messages[1].content[0] (audio)``) and says what was
+expected, so one bad part fails its request with a message the caller can act on.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+
+#: Image sides whose ratio is larger than this are refused (the Qwen2-VL image processor's limit).
+MAX_ASPECT_RATIO = 200
+
+
+class MediaError(ValueError):
+    """A bad audio or image part of a request."""
+
+
+def _array(value: Any) -> np.ndarray | None:
+    """A torch tensor or numpy array as numpy (None for anything else)."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16
+            tensor = tensor.float()
+        return tensor.numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (str, os.PathLike)):
+        return f"file {os.fspath(value)!r}"
+    return type(value).__name__
+
+
+def load_audio(value: Any, where: str, *, sample_rate: Any = None, target_rate: int = 16000,
+               max_samples: int | None = None) -> np.ndarray:
+    """``value`` (a path, an encoded file's bytes, or a 1-D float tensor/array at ``sample_rate``)
+    as 1-D float32 mono samples at ``target_rate``, at most ``max_samples`` of them."""
+    array = _array(value)
+    if array is not None:
+        if array.ndim != 1:
+            raise MediaError(f"{where}: audio samples must be a 1-D tensor (mono), got shape {list(array.shape)}")
+        if not np.issubdtype(array.dtype, np.floating):
+            raise MediaError(f"{where}: audio samples must be float (in [-1, 1]), got dtype {array.dtype}")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
+            raise MediaError(f"{where}: audio given as samples needs 'sample_rate' (a positive int), "
+                             f"got {sample_rate!r}")
+        rate, samples = sample_rate, array.astype(np.float32, copy=False)
+    elif isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)):
+        import soundfile
+
+        source = io.BytesIO(bytes(value)) if isinstance(value, (bytes, bytearray, memoryview)) else os.fspath(value)
+        try:
+            data, rate = soundfile.read(source, dtype="float32", always_2d=True)
+        except Exception as exc:  # noqa: BLE001 - soundfile raises several kinds; all mean "unreadable"
+            raise MediaError(f"{where}: cannot read audio from {_describe(value)}: {exc} "
+                             "(give a WAV, FLAC or OGG file, or 1-D float samples with 'sample_rate')") from None
+        samples = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    else:
+        raise MediaError(f"{where}: audio must be a file path, an encoded file's bytes or a 1-D float tensor, "
+                         f"got {type(value).__name__}")
+    if samples.size == 0:
+        raise MediaError(f"{where}: the audio is empty")
+    if not np.isfinite(samples).all():
+        raise MediaError(f"{where}: the audio has NaN or infinite samples")
+    if rate != target_rate:
+        import soxr
+
+        samples = soxr.resample(samples, rate, target_rate).astype(np.float32, copy=False)
+    if max_samples is not None and samples.size > max_samples:
+        raise MediaError(f"{where}: the audio is {samples.size / target_rate:.2f} s long; this model takes at most "
+                         f"{max_samples / target_rate:g} s (its feature extractor's chunk_length)")
+    return np.ascontiguousarray(samples)
+
+
+def load_image(value: Any, where: str):
+    """``value`` (a path, an encoded image's bytes, or an H x W x 3 uint8 tensor/array) as an RGB
+    ``PIL.Image``."""
+    from PIL import Image
+
+    array = _array(value)
+    if array is not None:
+        if array.ndim != 3 or array.shape[2] != 3:
+            raise MediaError(f"{where}: an image tensor must be H x W x 3 (RGB), got shape {list(array.shape)}")
+        if array.dtype != np.uint8:
+            raise MediaError(f"{where}: an image tensor must be uint8 (0-255), got dtype {array.dtype}")
+        image = Image.fromarray(np.ascontiguousarray(array), "RGB")
+    elif isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(value)) if isinstance(value, (bytes, bytearray, memoryview)) else os.fspath(value)
+        try:
+            with Image.open(source) as opened:
+                image = opened.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - Pillow raises OSError, UnidentifiedImageError, ValueError ...
+            raise MediaError(f"{where}: cannot read an image from {_describe(value)}: {exc} "
+                             "(give a PNG or JPEG file, or an H x W x 3 uint8 tensor)") from None
+    else:
+        raise MediaError(f"{where}: an image must be a file path, an encoded image's bytes or an H x W x 3 uint8 "
+                         f"tensor, got {type(value).__name__}")
+    width, height = image.size
+    if min(width, height) < 1:
+        raise MediaError(f"{where}: the image is empty ({width} x {height})")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise MediaError(f"{where}: the image is {width} x {height}; its sides' ratio must be at most "
+                         f"{MAX_ASPECT_RATIO}")
+    return image
