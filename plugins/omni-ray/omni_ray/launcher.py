@@ -252,7 +252,8 @@ class RayLauncher:
     """``launcher: {name: ray, options: {address, namespace, runtime_env, placement_strategy}}``.
 
     ``address``: ``"auto"`` (the cluster this machine belongs to), ``"ray://host:port"`` (Ray
-    client), a GCS address ``host:port``, or null: start a local Ray (default). ``namespace``:
+    client), a GCS address ``host:port``, or null: start a local Ray of the run's own (default;
+    never another Ray that ``ray.init()`` would auto-detect on the machine). ``namespace``:
     the Ray namespace of the run's actors (default ``omni``). ``runtime_env``: passed to
     ``ray.init`` (e.g. ``{working_dir: ., pip: [...]}``). ``placement_strategy``: of TP groups'
     placement groups (``STRICT_PACK`` default). When Ray is already initialised in this process
@@ -395,7 +396,9 @@ class RayLauncher:
 
     def _connect(self, plan: Any) -> None:
         """Connect to the cluster (``address``), or start a local Ray with enough logical CPUs for
-        the plan (``address: null``); keep a connection this process already has."""
+        the plan (``address: null``); keep a connection this process already has. Null is Ray's
+        ``"local"``: a plain ``ray.init()`` would join the latest ``ray start`` on the machine
+        (or ``RAY_ADDRESS``) instead of starting one."""
         import ray
 
         if ray.is_initialized():
@@ -405,6 +408,7 @@ class RayLauncher:
         if address is None:
             need = sum(actor_request(plan, spec).num_cpus for spec in plan.processes)
             extra = {"num_cpus": max(float(os.cpu_count() or 1), need), "include_dashboard": False}
+            address = "local"
         ray.init(address=address, namespace=self.options.get("namespace", "omni"),
                  runtime_env=self.options.get("runtime_env"), **extra)
         self._owns_ray = True

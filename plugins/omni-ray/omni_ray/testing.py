@@ -3,8 +3,10 @@ state API), and the relay conformance kit's cross-node mode on Ray.
 
 - :func:`local_cluster`: a head and worker nodes on this machine (``ray.cluster_utils.Cluster``,
   each node its own raylet), every worker with a custom resource naming it; the dashboard runs
-  (the state API needs it).
-- :func:`live_actors`: ``ray.util.state.list_actors`` without the dead ones.
+  (the state API needs it). It shares nothing with another Ray on the machine: its own temp dir,
+  ports chosen by binding, and no ``RAY_ADDRESS`` while it runs.
+- :func:`live_actors`: ``ray.util.state.list_actors`` of the connected cluster (its address
+  passed, never auto-detected) without the dead ones.
 - :class:`RayCrossNodeConformance`: :class:`omni_core.testing.relay_conformance.
   CrossNodeRelayConformance` with the receiver and the ``doomed`` peer in Ray actors pinned (by
   custom resource) to two worker nodes, the sender in the test process (the driver, on the head).
@@ -28,6 +30,7 @@ import contextlib
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -39,6 +42,8 @@ from omni_core.testing.relay_conformance import CrossNodeRelayConformance
 #: The custom resources of the worker nodes of :func:`local_cluster`.
 NODES = ("node_a", "node_b")
 STORE = 100 * 2**20
+#: What points Ray's auto-detection at a cluster (unset while :func:`local_cluster` runs).
+_RAY_ENV = ("RAY_TMPDIR", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
 
 
 def free_port() -> int:
@@ -60,21 +65,32 @@ def local_cluster(
     """A head and one worker node per name in ``nodes`` (custom resource ``{name: 4}``) on this
     machine, the calling process connected as the driver; ``cluster.node_ids`` maps ``head`` and
     every name to its Ray node id. Small on purpose: logical CPUs, 100 MiB object stores. Shut
-    down (driver disconnected, every raylet stopped) on exit, failure included."""
+    down (driver disconnected, every raylet stopped) on exit, failure included.
+
+    Another Ray instance on the machine is left alone and never found: while the cluster runs,
+    ``RAY_TMPDIR`` is a private folder (Ray writes and, at shutdown, deletes its "current
+    cluster" file there, not in the machine's ``/tmp/ray``) and ``RAY_ADDRESS`` /
+    ``RAY_API_SERVER_ADDRESS`` are unset; every port is chosen by binding (the dashboard's from
+    8265 up, the rest by the OS), none found free beforehand and bound later."""
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": head_cpus,
-            "resources": {"head": 4, **(head_resources or {})},
-            "object_store_memory": STORE,
-            "include_dashboard": True,
-            "dashboard_port": free_port(),
-        },
-    )
+    saved = {k: os.environ.pop(k, None) for k in _RAY_ENV}
+    tmp = tempfile.mkdtemp(prefix="omray", dir="/tmp")  # short: Ray's unix sockets live under it
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = None
     try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": head_cpus,
+                "resources": {"head": 4, **(head_resources or {})},
+                "object_store_memory": STORE,
+                "include_dashboard": True,
+                "dashboard_port": None,
+                "dashboard_agent_listen_port": None,
+            },
+        )
         for name in nodes:
             cluster.add_node(num_cpus=node_cpus, resources={name: 4}, object_store_memory=STORE)
         cluster.wait_for_nodes()
@@ -83,7 +99,14 @@ def local_cluster(
         yield cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def node_ids(resources: Sequence[str]) -> dict[str, str]:
@@ -99,13 +122,24 @@ def node_ids(resources: Sequence[str]) -> dict[str, str]:
     return ids
 
 
+def cluster_address() -> str:
+    """The GCS address of the cluster this process is connected to, for every Ray call that would
+    otherwise auto-detect one (the state API, the CLI): with another Ray on the machine,
+    auto-detection finds the latest ``ray start``, not necessarily this one."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("not connected to a Ray cluster: call ray.init(address=...) or use local_cluster() first")
+    return ray.get_runtime_context().gcs_address
+
+
 def live_actors(**filters: str) -> list[Any]:
-    """The connected cluster's actors that are not dead (``ray.util.state.list_actors``), e.g.
-    ``live_actors(ray_namespace="omni")``."""
+    """The connected cluster's actors that are not dead (``ray.util.state.list_actors`` with the
+    cluster's address), e.g. ``live_actors(ray_namespace="omni")``."""
     from ray.util.state import list_actors
 
     wanted = [("state", "!=", "DEAD"), *((k, "=", v) for k, v in filters.items())]
-    return list_actors(filters=wanted, limit=10_000, raise_on_missing_output=False)
+    return list_actors(address=cluster_address(), filters=wanted, limit=10_000, raise_on_missing_output=False)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
