@@ -53,7 +53,7 @@ class Collect:
 
     async def __call__(self, payload, ctx):
         got = [c["token"] async for c in ctx.stream_from(self.source)]
-        return {"streamed": "".join(got), "payload": payload}
+        return {"streamed": "".join(got), "payload": await ctx.payload()}
 
 
 class Scale:
@@ -428,3 +428,60 @@ class Forger:
         if kind:
             out = {"marker": torch.tensor([FORGE_MAGIC, self.KINDS.index(kind)]), **out}
         return out
+
+
+class EarlyReader:
+    """For ``can_accept_stream_before_payload``: notes whether its call started before its
+    payload (``payload is PENDING``), writes ``marker`` (``"started"``) when its call starts,
+    reads the stream from ``source``, then waits for its payload (unless ``ask`` is false: it
+    returns without it); ``raise_first`` raises before asking for it. Cancelled (an abort), it
+    writes ``"cancelled"`` to ``marker``."""
+
+    def __init__(self, source: str, marker: str = "", raise_first: bool = False, ask: bool = True):
+        self.source, self.marker, self.raise_first, self.ask = source, marker, raise_first, ask
+
+    async def __call__(self, payload, ctx):
+        from omni_core import PENDING
+
+        early = payload is PENDING
+        if self.marker:
+            write_marker(self.marker, "started")
+        try:
+            got = [c.get("i", c.get("token")) async for c in ctx.stream_from(self.source)]
+            if self.raise_first:
+                raise RuntimeError("the reader failed before its payload came")
+            payload = await ctx.payload() if self.ask else None
+        except asyncio.CancelledError:
+            if self.marker:
+                write_marker(self.marker, "cancelled")
+            raise
+        return {"early": early, "got": got, "payload": payload}
+
+
+class FailAtGate:
+    """Waits for the file ``payload["gate"]``, then fails (a payload that never comes)."""
+
+    async def __call__(self, payload, ctx):
+        while not os.path.exists(payload["gate"]):
+            await asyncio.sleep(0.01)
+        raise RuntimeError("the payload's stage failed")
+
+
+class EarlyAllReduce:
+    """A tensor-parallel ``EarlyReader``: every rank reads the stream from ``source``, waits for
+    its payload, then all-reduces ``(rank + 1) * payload["x"]``."""
+
+    def __init__(self, source: str, tp_rank: int = 0, tp_size: int = 1):
+        self.source, self.rank, self.size = source, tp_rank, tp_size
+
+    async def __call__(self, payload, ctx):
+        import torch.distributed as dist
+
+        from omni_core import PENDING
+
+        early = payload is PENDING
+        got = [c["i"] async for c in ctx.stream_from(self.source)]
+        payload = await ctx.payload()
+        part = payload["x"] * (self.rank + 1)
+        dist.all_reduce(part)
+        return {"early": early, "got": got, "x": part}

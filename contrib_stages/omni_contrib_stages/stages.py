@@ -258,8 +258,8 @@ class Tee:
 
     With ``stream_from: <stage>`` it also re-emits every chunk that stage streams to it, to its
     own ``stream_to`` stages (and to the caller when it is terminal), so one stream can feed
-    several stages. Set ``can_accept_stream_before_payload: true`` on it when its payload may
-    arrive after the first chunks.
+    several stages. With ``can_accept_stream_before_payload: true`` it starts re-emitting at the
+    first chunk, before its payload arrives.
     """
 
     def __init__(self, stream_from: str | None = None):
@@ -269,7 +269,7 @@ class Tee:
         if self.stream_from is not None:
             async for chunk in ctx.stream_from(self.stream_from):
                 await ctx.emit(chunk)
-        return payload
+        return await ctx.payload()
 
 
 class Collect:
@@ -287,4 +287,5 @@ class Collect:
         chunks = [chunk async for chunk in ctx.stream_from(self.stream_from)]
         if self.output_key is None:
             return chunks
+        payload = await ctx.payload()
         return _put_output(payload if payload is not None else {}, chunks, None, self.output_key, self.stage_name)

@@ -20,8 +20,9 @@ class FakeCtx:
     """What a stage sees of a request, without a pipeline: emitted chunks are recorded and
     ``stream_from`` yields the given chunks."""
 
-    def __init__(self, streams: dict | None = None):
+    def __init__(self, streams: dict | None = None, payload=None):
         self.emitted: list = []
+        self._payload = payload
         self.streams = streams or {}
         self.aborted = False
         self.loop = asyncio.get_running_loop()
@@ -39,10 +40,13 @@ class FakeCtx:
     def stream_from(self, stage):
         return self._iterate(self.streams[stage])
 
+    async def payload(self):
+        return self._payload
+
 
 async def call(stage, payload, **streams):
     """Call a stage as the runtime does: async ones awaited, plain ones in a worker thread."""
-    ctx = FakeCtx(streams)
+    ctx = FakeCtx(streams, payload)
     if inspect.iscoroutinefunction(type(stage).__call__):
         result = await stage(payload, ctx)
     else:

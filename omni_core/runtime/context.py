@@ -8,10 +8,43 @@ from typing import TYPE_CHECKING, Any
 
 from .flow import StreamBuffer, StreamClosed, StreamStalled
 
-__all__ = ["StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
+__all__ = ["PENDING", "PayloadPending", "StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stage import StageRuntime
+
+
+class PayloadPending(TypeError):
+    """A stage used :data:`PENDING` as if it were its payload."""
+
+
+class _Pending:
+    """The type of :data:`PENDING`. Using it as a payload (indexing, iterating, ``get``) raises
+    :class:`PayloadPending`, which says to ``await ctx.payload()`` instead."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "omni_core.PENDING"
+
+    def __reduce__(self) -> str:
+        return "PENDING"
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise PayloadPending(
+            "the stage's call started on its first stream chunk, before its payload arrived "
+            "(can_accept_stream_before_payload: true), so its payload argument is omni_core.PENDING: "
+            "get the payload with `payload = await ctx.payload()` (ctx.payload_threadsafe() in a sync stage)"
+        )
+
+    __getitem__ = __iter__ = __len__ = __contains__ = get = keys = items = values = _refuse
+
+
+#: The ``payload`` argument of a call that started on a stream chunk before its payload arrived
+#: (``can_accept_stream_before_payload: true``); ``await ctx.payload()`` returns the payload.
+PENDING: Any = _Pending()
+
+_ENDED = object()  # a context's payload once its call has ended
 
 
 class StageContext:
@@ -23,19 +56,25 @@ class StageContext:
       ``limits.stream_buffer`` unread chunks of this stream (flow control).
     - ``ctx.stream_from(stage)``: async iterator over the chunks ``stage`` streams to this one,
       ending when that stage signals the end of its stream.
+    - ``await ctx.payload()``: the call's payload. A stage with
+      ``can_accept_stream_before_payload: true`` starts on its first stream chunk when that comes
+      before its payload; its ``payload`` argument is then :data:`PENDING` and ``ctx.payload()``
+      waits until the payload arrives. Anywhere else it returns the payload at once.
     - ``ctx.aborted``: True once the request was aborted (sync stages running in a worker thread
       should check it in long loops; async stages are cancelled).
     """
 
-    __slots__ = ("request_id", "stage_name", "_rid", "_runtime", "_aborted", "_loop")
+    __slots__ = ("request_id", "stage_name", "_rid", "_runtime", "_aborted", "_loop", "_payload", "_arrival")
 
-    def __init__(self, runtime: StageRuntime, rid: int, request_id: str):
+    def __init__(self, runtime: StageRuntime, rid: int, request_id: str, payload: Any = PENDING):
         self.request_id = request_id
         self.stage_name = runtime.name
         self._rid = rid
         self._runtime = runtime
         self._aborted = False
         self._loop = asyncio.get_running_loop()
+        self._payload = payload
+        self._arrival: asyncio.Future | None = None  # while someone waits in payload()
 
     @property
     def aborted(self) -> bool:
@@ -48,6 +87,35 @@ class StageContext:
     def emit_threadsafe(self, chunk: Any, timeout: float | None = None) -> None:
         """``emit`` for sync stages running in a worker thread; blocks until the chunk is sent."""
         asyncio.run_coroutine_threadsafe(self.emit(chunk), self._loop).result(timeout)
+
+    async def payload(self) -> Any:
+        """The call's payload, waiting for it if the call started before it arrived (see the
+        class docstring). An abort of the request cancels the wait like any other."""
+        payload = self._payload
+        if payload is not PENDING:
+            if payload is _ENDED:
+                raise StreamClosed(f"stage {self.stage_name!r} asked for its payload after its call ended")
+            return payload
+        if self._arrival is None:
+            self._arrival = self._loop.create_future()
+        return await asyncio.shield(self._arrival)
+
+    def payload_threadsafe(self, timeout: float | None = None) -> Any:
+        """``payload`` for sync stages running in a worker thread; blocks until it arrives."""
+        return asyncio.run_coroutine_threadsafe(self.payload(), self._loop).result(timeout)
+
+    def _arrive(self, payload: Any) -> None:
+        """The runtime hands over the payload of a call that started without it."""
+        self._payload = payload
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(payload)
+
+    def _end(self) -> None:
+        """The call ended: drop the payload and stop anyone still waiting for it."""
+        self._payload = _ENDED
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.cancel()
+        self._arrival = None
 
     def stream_from(self, stage: str) -> AsyncIterator[Any]:
         """The chunks ``stage`` streams to this stage for this request."""

@@ -32,38 +32,51 @@ class StreamStalled(Exception):
     """A stream made no progress for ``limits.stream_stall_timeout``: its reader stopped reading."""
 
 
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 class Window:
     """The producer's side of one stream: credits left, and whether the reader closed it."""
 
-    __slots__ = ("credits", "closed", "initial", "_event")
+    __slots__ = ("credits", "closed", "initial", "_waiter")
 
     def __init__(self, credits: int):
         self.credits = credits
         self.initial = credits
         self.closed = False
-        self._event: asyncio.Event | None = None
+        self._waiter: asyncio.Future | None = None
 
     def grant(self, n: int, closed: bool = False) -> None:
         self.credits += n
         self.closed = self.closed or closed
-        if self._event is not None:
-            self._event.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
 
     async def acquire(self, timeout: float, what: Callable[[], str]) -> bool:
-        """Take one credit, waiting for one; False when the reader closed the stream."""
+        """Take one credit, waiting for one; False when the reader closed the stream.
+
+        It waits on a plain future with a timer rather than ``asyncio.wait_for``, which on
+        Python 3.11 and older returns instead of raising when the task is cancelled (an abort)
+        just as the credit comes: the call then went on emitting for an ended request."""
         while not self.closed and self.credits <= 0:
-            if self._event is None:
-                self._event = asyncio.Event()
-            self._event.clear()
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
             try:
-                await asyncio.wait_for(self._event.wait(), timeout)
-            except TimeoutError:
+                granted = await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not granted:
                 raise StreamStalled(
                     f"{what()} made no progress for {timeout:g} s (limits.stream_stall_timeout): the "
                     f"reader holds all {self.initial} unread chunks (limits.stream_buffer) and reads none. "
                     "Read the stream with ctx.stream_from(); a reader whose payload comes from the "
-                    "streaming stage itself (next) cannot start before the stream ends: route its payload "
-                    "from an earlier stage"
+                    "streaming stage itself (next) starts before the stream ends only with "
+                    "can_accept_stream_before_payload: true on it (its call then starts on the first chunk)"
                 ) from None
         if self.closed:
             return False

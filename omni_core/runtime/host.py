@@ -237,7 +237,7 @@ class Host:
         if msg.kind == "work":
             stage.on_payload(rid, msg.request_id, msg.src, payload, inbound)
         else:
-            stage.on_chunk(rid, msg.src, payload, held, self._granter(msg))
+            stage.on_chunk(rid, msg.request_id, msg.src, payload, held, self._granter(msg))
 
     def _granter(self, msg: wire.Data):
         address = self.boot.addresses.get(msg.origin) if msg.origin else None

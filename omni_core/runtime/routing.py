@@ -105,7 +105,7 @@ class Router:
                 stages[target].on_payload(rid, request_id, name, obj, Inbound())
             else:
                 window = self.windows.get(rid, name, target)
-                stages[target].on_chunk(rid, name, obj, None, window.grant)
+                stages[target].on_chunk(rid, request_id, name, obj, None, window.grant)
 
     async def finish(self, stage: StageRuntime, rid: int, request_id: str, result: Any) -> None:
         """Hand a finished call's result on. Every user function (route, projections,

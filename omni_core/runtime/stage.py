@@ -4,8 +4,11 @@ Per request the stage receives a payload (or, for a fan-in stage, one per source
 ``wait_for`` set is complete), calls the user's stage object, and hands the result to the host's
 router. Stream chunks for the request are buffered per source stage, with credits (see
 :mod:`.flow`): chunks that arrive before the payload wait for it; chunks that arrive after the
-call returned are dropped. Everything a request holds here (task, fan-in parts, buffered chunks,
-relay buffers) is freed when it ends, however it ends.
+call returned are dropped. A stage with ``can_accept_stream_before_payload`` starts its call on
+whichever comes first, its first stream chunk or its payload; a call started on a chunk gets
+:data:`~.context.PENDING` as its payload and ``await ctx.payload()`` hands it over when it comes
+(``awaiting``). Everything a request holds here (task, fan-in parts, buffered chunks, relay
+buffers, a payload wait) is freed when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from ..logs import get_logger
-from .context import StageContext
+from .context import PENDING, StageContext
 from .flow import Grant, StreamBuffer, StreamClosed
 from .ordered import Resume
 from .types import Inbound, StageFunctions, WiringError
@@ -187,27 +190,29 @@ class StageRuntime:
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
+        #: can_accept_stream_before_payload: the call starts on the first chunk if it comes first
+        self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(self.streaming_sources)
+        #: calls started on a chunk whose payload has not come: their context, None once the
+        #: call ended (a payload that comes then is dropped)
+        self.awaiting: dict[int, StageContext | None] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def requests(self) -> set[int]:
         """Every request this stage holds state for."""
-        return {*self.running, *self.fan_in, *self.streams, *self.finished}
+        return {*self.running, *self.fan_in, *self.streams, *self.finished, *self.awaiting}
 
     def state(self) -> dict[str, int]:
         prefix = f"stage.{self.name}."
         return {prefix + "running": len(self.running), prefix + "fan_in": len(self.fan_in),
-                prefix + "streams": len(self.streams), prefix + "finished": len(self.finished)}
+                prefix + "streams": len(self.streams), prefix + "finished": len(self.finished),
+                prefix + "awaiting": len(self.awaiting)}
 
     # -- arrivals ------------------------------------------------------------------------------
 
     def on_payload(self, rid: int, request_id: str, src: str, payload: Any, inbound: Inbound) -> None:
         """A payload for request ``rid`` arrived from ``src`` (``""``: the caller)."""
         if not self.cfg.wait_for:
-            if rid in self.running or rid in self.finished:
-                inbound.release()
-                self.host.fail(rid, self.name, WiringError(f"stage {self.name!r} received a second payload for the request (from {src!r})"))
-                return
-            self._start(rid, request_id, payload, inbound)
+            self._arrived(rid, request_id, src, payload, inbound)
             return
         state = self.fan_in.setdefault(rid, _FanIn())
         if state.started:  # a source outside the chosen wait_for subset: not needed any more
@@ -229,7 +234,24 @@ class StageRuntime:
         state.started = True
         state.arrived.clear()
         inbound_all, state.inbound = state.inbound, Inbound()
-        self._start(rid, request_id, merged, inbound_all)
+        self._arrived(rid, request_id, src, merged, inbound_all)
+
+    def _arrived(self, rid: int, request_id: str, src: str, payload: Any, inbound: Inbound) -> None:
+        """The call's whole payload is here: start the call, or hand the payload to the call that
+        started on a stream chunk."""
+        if rid in self.awaiting:
+            ctx = self.awaiting.pop(rid)
+            if ctx is None:  # that call ended without it
+                inbound.release()
+            else:  # released with the rest of what the call received
+                self.inbounds[rid].merge(inbound)
+                ctx._arrive(payload)
+            return
+        if rid in self.running or rid in self.finished:
+            inbound.release()
+            self.host.fail(rid, self.name, WiringError(f"stage {self.name!r} received a second payload for the request (from {src!r})"))
+            return
+        self._start(rid, request_id, payload, inbound)
 
     def _wait_for_subset(self, request_id: str, src: str, payload: Any) -> list[str] | None:
         answer = self.fns.wait_for(request_id, src, payload)
@@ -244,9 +266,10 @@ class StageRuntime:
             )
         return names
 
-    def on_chunk(self, rid: int, src: str, chunk: Any, inbound: Inbound | None, grant: Grant | None) -> None:
+    def on_chunk(self, rid: int, request_id: str, src: str, chunk: Any, inbound: Inbound | None, grant: Grant | None) -> None:
         """A stream chunk from ``src`` arrived for request ``rid``. ``grant`` gives its credit
-        back to the producer once read (None on a TP follower: its leader's reads do)."""
+        back to the producer once read (None on a TP follower: its leader's reads do). The first
+        chunk starts the call of a stage that can accept a stream before its payload."""
         if src not in self.streaming_sources:
             if inbound is not None:
                 inbound.release()
@@ -262,6 +285,8 @@ class StageRuntime:
         if buf.grant is None and not self.follower:
             buf.grant = grant
         buf.put(chunk, inbound)
+        if self.starts_on_chunk and rid not in self.running:
+            self._start(rid, request_id, PENDING, Inbound())
 
     def on_stream_end(self, rid: int, src: str) -> None:
         if rid not in self.finished:
@@ -289,9 +314,12 @@ class StageRuntime:
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.get_running_loop()
+        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload)
+        if payload is PENDING:
+            self.awaiting[rid] = ctx
         stand_in = _Starting(loop)
         self.running[rid] = stand_in
-        coro = self._run(rid, request_id, payload, inbound)
+        coro = self._run(rid, ctx, payload, inbound)
         context = contextvars.copy_context()
         try:
             first = context.run(_first_step, coro, stand_in, loop)
@@ -325,9 +353,8 @@ class StageRuntime:
             self.contexts.pop(rid, None)
             self._close_streams(rid)
 
-    async def _run(self, rid: int, request_id: str, payload: Any, inbound: Inbound) -> None:
-        ctx = StageContext(self, rid, request_id)
-        self.contexts[rid] = ctx
+    async def _run(self, rid: int, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
+        request_id = ctx.request_id
         bind_contextvars(request_id=request_id)  # this call's log lines
         started = None
         slots = self.slots
@@ -350,6 +377,7 @@ class StageRuntime:
                 metrics.stage_call(self.name, "ok", perf_counter() - started, request_id)
                 started = None
                 del payload
+                ctx._end()
                 if self.streaming_sources:
                     self.finished.add(rid)
                 streams = rid in self.streams
@@ -375,6 +403,9 @@ class StageRuntime:
                 metrics.stage_call(self.name, "error", perf_counter() - started, request_id)
             self.host.fail(rid, self.name, exc)
         finally:
+            ctx._end()
+            if self.awaiting.get(rid) is ctx:  # returned without its payload: drop it when it comes
+                self.awaiting[rid] = None
             inbound.release()
             if rid in self.streams:
                 self._close_streams(rid)
@@ -412,6 +443,7 @@ class StageRuntime:
         if task is not None:
             task.cancel()
         self.finished.discard(rid)
+        self.awaiting.pop(rid, None)
         self._drop_fan_in(rid)
         self._drop_streams(rid)
 
@@ -446,6 +478,7 @@ class StageRuntime:
             self._drop_fan_in(rid)
         for rid in list(self.streams):
             self._drop_streams(rid)
+        self.awaiting.clear()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         closer = getattr(self.obj, "close", None)
