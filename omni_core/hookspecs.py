@@ -9,9 +9,10 @@ and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` h
 ``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
 conflict detection. The callback's signature is::
 
-    register(name, obj, *, description=None, kind=None, capabilities=None, options=None)
+    register(name, obj, *, description=None, kind=None, capabilities=None, options=None, check=None)
 
 ``kind`` is required for functions (``omni_register_functions``) and not accepted elsewhere.
+``check`` (stage factories only) checks a stage's ``args`` without building the stage.
 ``capabilities`` (relays) and ``options`` (relays, placement strategies, launchers: an options
 schema, see :mod:`omni_core.options`) are registration metadata: omni plans and validates configs
 from them without importing ``obj``.
@@ -40,6 +41,16 @@ def omni_register_stages(register):
     ``__call__(payload, ctx)``). It is called in the stage's own process with the stage's ``args``
     plus any of ``stage_name``, ``device``, ``gpu_id``, ``tp_rank``, ``tp_size``, ``tp_init_method``
     its signature declares.
+
+    ``check=fn`` (a function or a ``"package.module:function"`` path) checks a stage's ``args``
+    without building the stage: ``fn(args, *, env, stage_name)`` (declare the keywords you need)
+    returns an iterable of :class:`omni_core.errors.ConfigIssue` whose ``path`` is the argument's
+    key (``"model"``; ``""``: ``args`` as a whole), with the bad value in the message and how to
+    fix it in the hint; omni reports them at ``stages[i].args.model``. ``env`` is the environment
+    the stage's process will get (``env_defaults``, the stage's ``env``, then this machine's). It
+    runs in ``omni validate`` and when a pipeline starts, before any process, on the machine
+    running omni: it must be cheap, load no model and import nothing heavy (keep it in a module
+    apart from the stage). An exception in it is reported as a bug of the plugin.
     """
 
 

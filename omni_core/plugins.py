@@ -44,6 +44,7 @@ from .registry import (
     BrokenPlugin,
     Entry,
     Registry,
+    is_dotted_path,
     normalize_distribution,
     signature_text,  # noqa: F401  (re-exported: omni_core.plugins.signature_text)
 )
@@ -239,6 +240,12 @@ def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str)
                 meta["capabilities"] = as_capabilities(value)
             except (TypeError, ValueError) as exc:
                 raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: {exc}") from None
+    if given.get("check") is not None:
+        value = given["check"]
+        if not (callable(value) or (isinstance(value, str) and is_dotted_path(value))):
+            raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: check= takes a function or a "
+                              f"'package.module:function' path, got {value!r}")
+        meta["check"] = value
     if "options" in allowed:
         value = given.get("options")
         if value is None and not isinstance(obj, str):

@@ -46,7 +46,7 @@ class KindSpec:
 
 #: Every registry kind, in the order tools show them.
 KINDS: tuple[KindSpec, ...] = (
-    KindSpec("stage", "stage factory", "omni_register_stages"),
+    KindSpec("stage", "stage factory", "omni_register_stages", ("check",)),
     *(KindSpec(kind, f"{kind} function", "omni_register_functions") for kind in FUNCTION_KINDS),
     KindSpec("relay", "relay", "omni_register_relays", ("capabilities", "options")),
     KindSpec("placement", "placement strategy", "omni_register_placements", ("options",)),
@@ -169,6 +169,18 @@ class Entry:
         """The declared options schema (name → :class:`~omni_core.options.Option`; None:
         undeclared, options are then checked only when the object reads them)."""
         return self.meta.get("options")
+
+    def load_check(self) -> Any:
+        """A stage factory's argument check (``register(..., check=fn)``), imported when it was
+        registered as a dotted path; None when it has none."""
+        check = self.meta.get("check")
+        if isinstance(check, str):
+            try:
+                check = self.meta["check"] = import_ref(check)
+            except PluginError as exc:
+                raise PluginError(f"the argument check of {KIND_LABELS[self.kind]} {self.name!r} of {self.owner} "
+                                  f"cannot be loaded: {exc}") from exc
+        return check
 
     @property
     def owner(self) -> str:

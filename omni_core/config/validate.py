@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -410,6 +411,60 @@ def _factory_args(ctx: _Context, i: int) -> None:
     factory = _imported_factory(ctx, i)
     if factory is not None:
         ctx.issues.extend(factory_arg_issues(ctx.cfg.stages[i], _sp(i), factory))
+
+
+def stage_environment(cfg: PipelineConfig, stage: StageConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ``stage``'s process gets as far as the config and this machine tell:
+    ``env_defaults``, the stage's ``env``, then ``environ`` (default ``os.environ``), which wins."""
+    environ = os.environ if environ is None else environ
+    return {**{k: str(v) for k, v in cfg.env_defaults.items()}, **stage.env, **environ}
+
+
+def stage_arg_check_issues(cfg: PipelineConfig, registry: Registry) -> list[ConfigIssue]:
+    """What the argument checks of the stage factories (``register(name, factory, check=fn)``)
+    find in their stages' ``args``, at ``stages[i].args.<key>``. The one place these checks
+    run: ``omni validate`` (through :func:`collect_issues` with ``import_factories``) and
+    ``Pipeline.start`` before any process starts. Stages whose factory is a dotted path or does
+    not resolve have no check (the latter is reported by the name rules)."""
+    issues: list[ConfigIssue] = []
+    for i, stage in enumerate(cfg.stages):
+        if is_dotted_path(stage.factory) or registry.problem("stage", stage.factory):
+            continue
+        try:
+            check = registry.get("stage", stage.factory).load_check()
+        except PluginError as exc:
+            issues.append(ConfigIssue(_sp(i, "factory"), str(exc)))
+            continue
+        if check is not None:
+            issues.extend(_run_arg_check(check, cfg, stage, _sp(i, "args")))
+    return issues
+
+
+def _run_arg_check(check: Callable[..., Any], cfg: PipelineConfig, stage: StageConfig, path: str) -> list[ConfigIssue]:
+    try:
+        declared = inspect.signature(check).parameters
+    except (TypeError, ValueError):
+        declared = {}
+    extra = {"env": stage_environment(cfg, stage), "stage_name": stage.name}
+    try:
+        found = list(check(dict(stage.args), **{k: v for k, v in extra.items() if k in declared}) or ())
+    except Exception as exc:
+        return [ConfigIssue(path, f"the argument check of factory {stage.factory!r} raised {type(exc).__name__}: {exc}",
+                            "a bug in the plugin that registered the factory: report it there")]
+    issues = []
+    for item in found:
+        if isinstance(item, ConfigIssue):
+            issues.append(ConfigIssue(f"{path}.{item.path}" if item.path else path, item.message, item.hint))
+        else:
+            issues.append(ConfigIssue(path, str(item)))
+    return issues
+
+
+@rule
+def stage_arg_checks(cfg: PipelineConfig, ctx: _Context) -> None:
+    """The factories' own argument checks, with the deep validation that imports factories."""
+    if ctx.import_factories:
+        ctx.issues.extend(stage_arg_check_issues(cfg, ctx.registry))
 
 
 @rule

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ..config import PipelineConfig, load_config
-from ..errors import RequestAborted
+from ..config.validate import stage_arg_check_issues
+from ..errors import ConfigError, RequestAborted
 from ..logs import get_logger
 from ..plan.topology import Plan, build_plan
 from ..plugins import get_registry
@@ -63,6 +64,9 @@ class Pipeline:
         """Start every process and wait until all are ready; ``StartupError`` otherwise (after
         cleaning up everything that was started)."""
         if self.runner.state == "new":
+            issues = stage_arg_check_issues(self.config, self.registry)  # before any process starts
+            if issues:
+                raise ConfigError(issues)
             self.plan = build_plan(self.config, self.registry, gpus=self.gpus)
             self.coordinator.bind(self.plan)
         await self.runner.start(self.plan)
