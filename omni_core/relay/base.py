@@ -62,14 +62,21 @@ class RelayCapabilities:
     ``devices``: tensor devices it accepts (``"cpu"``, ``"cuda"``). ``scopes``: where the two ends
     may be: ``"node"`` (different processes, same machine) and/or ``"cluster"`` (different
     machines). ``priority``: among relays able to serve an edge, ``auto`` takes the highest.
+    ``ms_per_mib``: for a relay with the ``cluster`` scope, the milliseconds one MiB is expected to
+    take between two nodes, as its benchmark measured it (``omni plan`` shows it for edges that
+    cross nodes); None when not measured.
     """
 
     devices: frozenset[str] = frozenset({"cpu"})
     scopes: frozenset[str] = frozenset({"node"})
     priority: int = 0
+    ms_per_mib: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": sorted(self.devices), "scopes": sorted(self.scopes), "priority": self.priority}
+        out = {"devices": sorted(self.devices), "scopes": sorted(self.scopes), "priority": self.priority}
+        if self.ms_per_mib is not None:
+            out["ms_per_mib"] = self.ms_per_mib
+        return out
 
 
 #: The values :class:`RelayCapabilities` fields may hold.
@@ -83,9 +90,10 @@ def as_capabilities(value: Any) -> RelayCapabilities:
     if isinstance(value, RelayCapabilities):
         caps = value
     elif isinstance(value, dict):
-        unknown = set(value) - {"devices", "scopes", "priority"}
+        unknown = set(value) - {"devices", "scopes", "priority", "ms_per_mib"}
         if unknown:
-            raise ValueError(f"capabilities: unknown key(s) {', '.join(sorted(unknown))}; keys: devices, scopes, priority")
+            raise ValueError(f"capabilities: unknown key(s) {', '.join(sorted(unknown))}; keys: devices, scopes, "
+                             "priority, ms_per_mib")
         fields = {}
         for key in ("devices", "scopes"):
             if key in value:
@@ -93,8 +101,9 @@ def as_capabilities(value: Any) -> RelayCapabilities:
                 if isinstance(items, str) or not all(isinstance(x, str) for x in items):
                     raise ValueError(f"capabilities: {key} must be a list of strings, got {items!r}")
                 fields[key] = frozenset(items)
-        if "priority" in value:
-            fields["priority"] = value["priority"]
+        for key in ("priority", "ms_per_mib"):
+            if key in value:
+                fields[key] = value[key]
         caps = RelayCapabilities(**fields)
     else:
         raise ValueError("capabilities= must be omni_core.relay.RelayCapabilities or a mapping "
@@ -107,6 +116,9 @@ def as_capabilities(value: Any) -> RelayCapabilities:
         raise ValueError("capabilities: devices and scopes must not be empty")
     if isinstance(caps.priority, bool) or not isinstance(caps.priority, int):
         raise ValueError(f"capabilities: priority must be an integer, got {caps.priority!r}")
+    cost = caps.ms_per_mib
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost > 0):
+        raise ValueError(f"capabilities: ms_per_mib must be a positive number or None, got {cost!r}")
     return caps
 
 
