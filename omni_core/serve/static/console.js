@@ -3,8 +3,8 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const PALETTE = ["#3558d6", "#1f8a4c", "#b7791f", "#8a4fd6", "#c53030", "#2b8a9e", "#9e2b7a", "#5a6b1f"];
-const NODE_W = 156, NODE_H = 58, COL_W = 216, ROW_H = 74, BAND_PAD = 22, MARGIN = 16;
+const PALETTE = ["#3558d6", "#1f8a4c", "#b7791f", "#8a4fd6", "#d6683a", "#2b8a9e", "#9e2b7a", "#5a6b1f"];
+const NODE_W = 156, NODE_H = 58, COL_W = 246, ROW_H = 74, BAND_PAD = 22, MARGIN = 16;
 
 let topology = null;
 let stageColor = {};
@@ -135,9 +135,10 @@ function renderGraph(topo) {
     const c = curve(pos[e.src].x + NODE_W, mid(e.src) + shift, pos[e.dst].x, mid(e.dst) + shift);
     edges.appendChild(svg("path", { class: "edge" + (stream ? " stream" : ""), d: c.d, "marker-end": `url(#${stream ? "arrow-stream" : "arrow"})`,
                                      "data-testid": `edge-${e.src}-${e.dst}-${e.kind}` }));
-    const w = e.label.length * 5.6 + 8;
-    labels.appendChild(svg("rect", { class: "edge-label-bg", x: c.mid[0] - w / 2, y: c.mid[1] - 8, width: w, height: 13, rx: 3 }));
-    labels.appendChild(svg("text", { class: "edge-label" + (stream ? " stream" : ""), x: c.mid[0], y: c.mid[1] + 2, "text-anchor": "middle",
+    // payload labels above their line, stream labels below theirs
+    const w = e.label.length * 5.6 + 8, y = c.mid[1] + (stream ? 12 : -8);
+    labels.appendChild(svg("rect", { class: "edge-label-bg", x: c.mid[0] - w / 2, y: y - 8, width: w, height: 13, rx: 3 }));
+    labels.appendChild(svg("text", { class: "edge-label" + (stream ? " stream" : ""), x: c.mid[0], y: y + 2, "text-anchor": "middle",
                                      "data-testid": `edge-label-${e.src}-${e.dst}-${e.kind}` }, e.label));
   }
   root.appendChild(edges);
@@ -238,6 +239,14 @@ function onState(st) {
 }
 
 function renderRecent(recent) {
+  const legend = el("div", { class: "legend-row" });
+  for (const s of topology ? topology.stages : []) {
+    const key = el("span", { class: "key" });
+    const swatch = el("i");
+    swatch.style.background = stageColor[s];
+    key.append(swatch, s);
+    legend.appendChild(key);
+  }
   const table = el("table");
   const head = el("tr");
   for (const h of ["request", "status", "latency", "timeline (per stage)"]) head.appendChild(el("th", {}, h));
@@ -261,13 +270,13 @@ function renderRecent(recent) {
       bar.appendChild(seg);
     }
     cell.appendChild(bar);
-    const parts = r.stages.map((c) => `${c.stage} ${seconds(c.seconds)}`);
-    for (const [stage, [count, first]] of Object.entries(r.chunks || {})) parts.push(`${stage}: ${count} chunks, first at ${seconds(first)}`);
-    cell.appendChild(el("div", { class: "stages-list" }, parts.join(" · ")));
+    const parts = r.stages.map((c) => `${c.stage} ${seconds(c.seconds)} from +${seconds(c.start)}${c.status === "ok" ? "" : " (" + c.status + ")"}`);
+    for (const [stage, [count, first]] of Object.entries(r.chunks || {})) parts.push(`${stage}: ${count} chunks, first at +${seconds(first)}`);
+    bar.setAttribute("title", parts.join("\n"));
     tr.appendChild(cell);
     body.appendChild(tr);
   }
-  $("recent").replaceChildren(recent.length ? table : el("p", { class: "muted" }, "No request yet."));
+  $("recent").replaceChildren(...(recent.length ? [legend, table] : [el("p", { class: "muted" }, "No request yet.")]));
 }
 
 function connect() {
