@@ -49,7 +49,14 @@ from omni_core.logs import get_logger
 from omni_core.relay import checks
 from omni_core.relay.base import InvalidHandle, Relay, RelayContext, RelayError, Transfer
 from omni_core.relay.inline import dtype_name, inline_tensors, inline_transfer, tensor_bytes
-from omni_core.relay.kit import BufferPool, Credits, CreditWait, dead_wait_text, relay_options, wait_for_credit
+from omni_core.relay.kit import (
+    BufferPool,
+    Credits,
+    CreditWait,
+    dead_wait_text,
+    relay_options,
+    wait_for_credit,
+)
 
 from . import wire
 from .plugin import CAPABILITIES, OPTIONS

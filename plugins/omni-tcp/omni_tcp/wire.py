@@ -21,6 +21,7 @@ the same secret and nonces.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import os
@@ -75,10 +76,8 @@ def send_all(sock: socket.socket, buffers: list) -> None:
 
 def shut(sock: socket.socket) -> None:
     """Wake every thread blocked on ``sock`` (accept, recv, send), then close it."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 
@@ -196,7 +195,8 @@ def read_body(sock: socket.socket, cipher: Cipher | None, header: bytes, into: m
     view = memoryview(scratch)[:n]
     recv_exact(sock, view)
     plain = cipher.open(header, view)
-    into[:] = plain
+    if into.nbytes:
+        into[:] = plain
 
 
 # -- the sender's end -----------------------------------------------------------------------------
@@ -260,8 +260,9 @@ class Outbox:
         with self.cond:
             if self.link is link:
                 self.link, self.lost = None, True
-                if self.queue and self.queue[0].cursor or self.queue and self.queue[0].at:
-                    self.queue.popleft()
+                started = [o for o in self.queue if o.cursor or o.at]  # their gets failed with the link
+                for out in started:
+                    self.queue.remove(out)
                 self.abandons.clear()
                 self.cond.notify()
 
@@ -299,7 +300,7 @@ class Outbox:
                             self.queue.popleft()
                             if not done:
                                 self.queue.append(out)  # its next chunk after the others' turn
-            except (OSError, LinkError):
+            except Exception:  # noqa: BLE001 - the connection is unusable whatever went wrong
                 link.close()
                 self.detach(link)
 
@@ -345,7 +346,7 @@ class ServerLink:
                     raise LinkError(f"unexpected message kind {kind} from the receiver")
                 read_body(self.sock, self.cipher, bytes(buf), memoryview(b""), scratch)
                 self.outbox.on_release(ticket)
-        except (OSError, LinkError):
+        except Exception:  # noqa: BLE001 - the connection is unusable whatever went wrong
             pass
         self.close()
         self.outbox.detach(self)
@@ -403,10 +404,8 @@ class ClientLink:
         """Tell the sender ``ticket``'s credit is free (nothing when the link is gone)."""
         with self.send_lock:
             if self.error is None:
-                try:
+                with contextlib.suppress(OSError):
                     send_message(self.sock, self.cipher, RELEASE, ticket)
-                except OSError:
-                    pass
 
     def _read(self) -> None:
         buf, scratch = bytearray(HEADER.size), bytearray()
@@ -423,8 +422,8 @@ class ClientLink:
                 entry = self._entry(ticket, request, size, payload)
                 read_body(self.sock, self.cipher, header, entry.view[offset:offset + length], scratch)
                 self._arrived(entry, length)
-        except (OSError, LinkError) as exc:
-            self._lost(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the connection is unusable whatever went wrong
+            self._lost(f"{type(exc).__name__}: {exc}" if not isinstance(exc, (OSError, LinkError)) else str(exc))
 
     def _entry(self, ticket: int, request: int, size: int, payload: int) -> Incoming:
         """The transfer's entry, its buffer taken on its first chunk (a get may already wait
@@ -567,7 +566,5 @@ def wake(waiter: tuple, value: Any) -> None:
             else:
                 future.set_result(value)
 
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass
