@@ -153,6 +153,19 @@ def test_a_check_that_raises_is_a_plugin_bug_at_the_stage_args(site, monkeypatch
         arun(pipeline.start())
     assert pipeline.state == "new" and not pipeline.handles
 
+    # The same problem in several stages (one model path for all) is one issue naming the others.
+    empty = site / "no-checkpoint"
+    empty.mkdir()
+    two = load_config({"name": "two", "env_defaults": {"CHECKED_MODEL": str(empty)}, "stages": [
+        {"name": "a", "factory": "checked.model", "next": "b"},
+        {"name": "b", "factory": "checked.plain", "next": "c"},
+        {"name": "c", "factory": "checked.model", "terminal": True}]})
+    with pytest.raises(ConfigError) as caught:
+        validate_config(two, import_factories=True)
+    (issue,) = caught.value.issues
+    assert issue.path == "stages[0].args.model"
+    assert issue.message == f"{str(empty)!r} is not a checkpoint folder (no config.json in it) (also stages[2])"
+
 
 def plugin_registering(hook: str, **kw):
     """An in-tree plugin whose ``hook`` registers one thing with the keywords ``kw``."""

@@ -139,12 +139,31 @@ def prestart(config: str) -> None:
         pass
 
 
+def check_stage_args(config: str) -> None:
+    """The stage factories' argument checks, as ``Pipeline.start`` runs them, before this process
+    starts a forkserver or imports torch: a missing model fails in a second, once. A config that
+    cannot be loaded is left for the start to report."""
+    from ..config import load_config
+    from ..config.validate import stage_arg_check_issues
+    from ..errors import ConfigError
+    from ..plugins import get_registry
+
+    try:
+        cfg = load_config(config)
+    except Exception:
+        return
+    issues = stage_arg_check_issues(cfg, get_registry())
+    if issues:
+        raise ConfigError(issues, source=config)
+
+
 async def _started(config: str, gpus: int | None):
     """A started Pipeline, with a progress line while it starts; a failed start is described
     with the config paths of the failing process's stages (and, if the factory's signature
     explains it, the config error ``omni validate`` would report)."""
     from ..errors import StartupError
 
+    check_stage_args(config)
     prestart(config)
     from ..runtime.pipeline import Pipeline  # imports torch
     from .report import describe_startup_failure

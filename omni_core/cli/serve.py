@@ -34,9 +34,14 @@ def serve(
     """
     from ..errors import ConfigError, OmniError
     from .importpath import add_config_import_paths
-    from .run import prestart
+    from .run import check_stage_args, prestart
 
     add_config_import_paths(config)  # factories beside the config, or in the working directory
+    try:
+        check_stage_args(config)
+    except ConfigError as exc:
+        err.print(str(exc), markup=False, highlight=False)
+        raise typer.Exit(1) from None
     prestart(config)  # the forkserver imports torch while this process does
     from ..serve.app import ServeSettings
     from ..serve.server import run

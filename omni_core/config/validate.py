@@ -426,18 +426,25 @@ def stage_arg_check_issues(cfg: PipelineConfig, registry: Registry) -> list[Conf
     run: ``omni validate`` (through :func:`collect_issues` with ``import_factories``) and
     ``Pipeline.start`` before any process starts. Stages whose factory is a dotted path or does
     not resolve have no check (the latter is reported by the name rules)."""
-    issues: list[ConfigIssue] = []
+    # The same problem in several stages (a model path they all share) is reported once, at the
+    # first, naming the others: (argument, message, hint) -> [first issue, other stages ...].
+    found: dict[tuple[str, str, str | None], list[Any]] = {}
     for i, stage in enumerate(cfg.stages):
         if is_dotted_path(stage.factory) or registry.problem("stage", stage.factory):
             continue
         try:
             check = registry.get("stage", stage.factory).load_check()
         except PluginError as exc:
-            issues.append(ConfigIssue(_sp(i, "factory"), str(exc)))
+            found[(_sp(i, "factory"), str(exc), None)] = [ConfigIssue(_sp(i, "factory"), str(exc))]
             continue
-        if check is not None:
-            issues.extend(_run_arg_check(check, cfg, stage, _sp(i, "args")))
-    return issues
+        for issue in _run_arg_check(check, cfg, stage, _sp(i, "args")) if check is not None else ():
+            key = (issue.path.removeprefix(_sp(i)), issue.message, issue.hint)
+            if key in found:
+                found[key].append(_sp(i))
+            else:
+                found[key] = [issue]
+    return [attrs.evolve(first, message=f"{first.message} (also {', '.join(others)})") if others else first
+            for first, *others in found.values()]
 
 
 def _run_arg_check(check: Callable[..., Any], cfg: PipelineConfig, stage: StageConfig, path: str) -> list[ConfigIssue]:

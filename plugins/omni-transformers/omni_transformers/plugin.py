@@ -64,18 +64,19 @@ def image_inputs(payload):
 
 @omni_core.hookimpl
 def omni_register_stages(register):
+    check = "omni_transformers.checks:check_model"  # every stage loads a part of the checkpoint
     register(f"{PREFIX}.processor", "omni_transformers.processor:Processor",
-             description="Qwen2.5-Omni inputs (chat messages with text, audio, images) -> model inputs")
+             description="Qwen2.5-Omni inputs (chat messages with text, audio, images) -> model inputs", check=check)
     register(f"{PREFIX}.audio_encoder", "omni_transformers.encoders:AudioEncoder",
-             description="Qwen2.5-Omni audio tower: audio features -> embeddings, micro-batched")
+             description="Qwen2.5-Omni audio tower: audio features -> embeddings, micro-batched", check=check)
     register(f"{PREFIX}.vision_encoder", "omni_transformers.encoders:VisionEncoder",
-             description="Qwen2.5-Omni vision tower: image patches -> embeddings, micro-batched")
+             description="Qwen2.5-Omni vision tower: image patches -> embeddings, micro-batched", check=check)
     register(f"{PREFIX}.thinker", "omni_transformers.thinker:Thinker",
-             description="Qwen2.5-Omni thinker: text tokens, streaming each step to the talker")
+             description="Qwen2.5-Omni thinker: text tokens, streaming each step to the talker", check=check)
     register(f"{PREFIX}.talker", "omni_transformers.talker:Talker",
-             description="Qwen2.5-Omni talker: codec codes from the thinker's live stream")
+             description="Qwen2.5-Omni talker: codec codes from the thinker's live stream", check=check)
     register(f"{PREFIX}.token2wav", "omni_transformers.token2wav:Token2Wav",
-             description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)")
+             description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)", check=check)
 
 
 @omni_core.hookimpl
