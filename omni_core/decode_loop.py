@@ -48,7 +48,7 @@ Policy.
   cancelled) frees the row's place and memory for the next step.
 - **One step call per iteration** over every live row that is *ready*: a row whose consumer has
   ``max_pending_outputs`` outputs unread, or (``needs_input=True``) whose next input was not fed
-  yet, skips the step; the others do not wait for it.
+  yet (and whose inputs were not closed), skips the step; the others do not wait for it.
 - **Chunked prefill.** A row with ``prompt_tokens`` runs its prompt first; each step gives
   prompts at most ``max_prefill_tokens`` tokens in all (FIFO), so a long prompt is spread over
   several steps and the running decodes advance at every one of them.
@@ -146,7 +146,7 @@ class Row:
     """
 
     __slots__ = ("state", "prompt_tokens", "memory", "needs_input", "prefill", "input", "steps", "decoded",
-                 "_prefilled", "_inputs", "_outputs", "_changed", "_finish_requested", "_done", "_error",
+                 "_prefilled", "_inputs", "_inputs_closed", "_outputs", "_changed", "_finish_requested", "_done", "_error",
                  "_left", "_in_step", "_released", "_seq_no")
 
     def __init__(self, state: Any, prompt_tokens: int, memory: int, needs_input: bool, seq_no: int):
@@ -160,6 +160,7 @@ class Row:
         self.decoded = 0
         self._prefilled = 0
         self._inputs: deque = deque()
+        self._inputs_closed = False
         self._outputs: deque = deque()
         self._changed = asyncio.Event()
         self._finish_requested = False
@@ -224,6 +225,12 @@ class DecodeSequence:
         """Queue the input of one of the row's next decode steps (rows joined with
         ``needs_input=True`` step only when one is queued)."""
         self._row._inputs.append(value)
+        self._loop._poke()
+
+    def close_inputs(self) -> None:
+        """No more inputs will be fed: once the queued ones are used, the row steps on with
+        ``row.input = None`` (the step function knows what a row without input does)."""
+        self._row._inputs_closed = True
         self._loop._poke()
 
     def finish(self) -> None:
@@ -427,7 +434,7 @@ class DecodeLoop:
     def _ready(self, row: Row) -> bool:
         if row._done or len(row._outputs) >= self.max_pending_outputs:
             return False
-        return row.in_prefill or not row.needs_input or bool(row._inputs)
+        return row.in_prefill or not row.needs_input or bool(row._inputs) or row._inputs_closed
 
     def _plan(self) -> list[Row]:
         """This step's rows, with their prefill chunks and inputs set."""
@@ -447,7 +454,7 @@ class DecodeLoop:
                     left = min(left, budget)
                     budget -= left
                 row.prefill = (start, start + left)
-            elif row.needs_input:
+            elif row._inputs:
                 row.input = row._inputs[0]
             rows.append(row)
         return rows
@@ -536,7 +543,7 @@ class DecodeLoop:
             row._prefilled = row.prefill[1]
         else:
             row.decoded += 1
-            if row.needs_input and row._inputs:
+            if row._inputs:
                 row._inputs.popleft()
         row.prefill = None
         row.input = None
