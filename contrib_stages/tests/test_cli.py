@@ -54,8 +54,8 @@ def test_omni_run_demo_streams_tokens_then_the_result_and_writes_the_wav(tmp_pat
     assert [c["chunk"]["index"] for c in chunks] == [0, 1, 2, 3, 4]
     result = last["result"]
     assert " ".join(c["chunk"]["text"] for c in chunks) + "." == result["thinker"]["text"]
-    # the default file lands in the directory omni was started in
-    wav_path = tmp_path / "omni-demo.wav"
+    # the default file, one per request, lands in omni-demo/ in the directory omni was started in
+    wav_path = tmp_path / "omni-demo" / "req-1.wav"
     assert result["vocoder"]["wav_path"] == str(wav_path)
     with wave.open(str(wav_path)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)

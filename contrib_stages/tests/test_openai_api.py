@@ -173,7 +173,7 @@ def test_the_adapter_maps_a_request_to_the_demo_inputs():
         "demo",
         opts,
     )
-    assert req["inputs"] == {"text": "hi", "max_tokens": 7, "stream_audio": True}
+    assert req["inputs"] == {"text": "hi", "max_tokens": 7, "stream_audio": True, "wav_path": None}
     assert (req["audio"], req["format"], req["stream"]) == (True, "wav", False)
     text_only = parse_request(
         {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts

@@ -7,8 +7,10 @@ See ``docs/demo.md`` for the graph and what travels on each edge.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
+import re
 import tempfile
 import time
 import wave
@@ -36,6 +38,17 @@ def _bad_input(message: str) -> ValueError:
     return ValueError(f"{message}; the demo takes inputs like {EXAMPLE}")
 
 
+def _file_name(request_id: str) -> str:
+    """``request_id`` as a file name: characters other than letters, digits, ``.``, ``_`` and
+    ``-`` become ``_`` (and a leading dot), plus a hash of the id when anything changed, so two
+    ids never share a file."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:100]
+    name = "_" + name[1:] if name.startswith(".") else name
+    if name != request_id:
+        name += "-" + hashlib.sha256(request_id.encode()).hexdigest()[:12]
+    return name
+
+
 # -- preprocess ---------------------------------------------------------------------------------
 
 
@@ -44,13 +57,14 @@ class Preprocess:
 
         {"audio":  {"features": [frames, n_features]},      # for audio_encoder
          "image":  {"pixels": [3, image_size, image_size]},  # for image_encoder
-         "speech": {"wav_path": "/abs/path.wav",             # for talker (then vocoder)
+         "speech": {"wav_path": "/abs/path.wav" | None,      # for talker (then vocoder)
                     "stream_audio": False},
          "shared": {"text", "text_ids", "max_tokens"},       # every branch gets these
          "_to": [...]}                                       # only when "speak": false
 
     Inputs: ``text`` (required), ``max_tokens`` (words to write, default 13 = one sentence),
-    ``wav_path`` (default ``omni-demo.wav``, relative to the directory omni runs in), ``speak``
+    ``wav_path`` (default ``<wav_dir>/<request id>.wav``, one file per request, with ``wav_dir``
+    ``omni-demo`` relative to the directory omni runs in; null: no file), ``speak``
     (default true; false skips the talker and vocoder by routing to ``without_speech`` only),
     ``stream_audio`` (default false; true makes the vocoder stream its audio to the caller as
     ``{"index", "pcm16", "sample_rate"}`` chunks, as ``omni serve``'s OpenAI API asks it to),
@@ -60,12 +74,12 @@ class Preprocess:
     """
 
     def __init__(self, n_features: int = 64, image_size: int = 32, audio_seconds: float = 1.0,
-                 default_wav: str = "omni-demo.wav", max_tokens_limit: int = 64,
+                 wav_dir: str = "omni-demo", max_tokens_limit: int = 64,
                  without_speech: list[str] | None = None):
         self.n_features = n_features
         self.image_size = image_size
         self.audio_seconds = audio_seconds
-        self.default_wav = default_wav
+        self.wav_dir = wav_dir
         self.max_tokens_limit = max_tokens_limit
         self.without_speech = list(without_speech) if without_speech else None
 
@@ -81,9 +95,9 @@ class Preprocess:
         max_tokens = inputs.get("max_tokens", 13)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.max_tokens_limit:
             raise _bad_input(f"'max_tokens' must be an integer from 1 to {self.max_tokens_limit}, got {max_tokens!r}")
-        wav_path = inputs.get("wav_path", self.default_wav)
-        if not isinstance(wav_path, str) or not wav_path:
-            raise _bad_input(f"'wav_path' must be a file name, got {wav_path!r}")
+        wav_path = inputs["wav_path"] if "wav_path" in inputs else os.path.join(self.wav_dir, _file_name(ctx.request_id) + ".wav")
+        if wav_path is not None and (not isinstance(wav_path, str) or not wav_path):
+            raise _bad_input(f"'wav_path' must be a file name or null (no file), got {wav_path!r}")
         speak = inputs.get("speak", True)
         if not isinstance(speak, bool):
             raise _bad_input(f"'speak' must be true or false, got {speak!r}")
@@ -95,7 +109,8 @@ class Preprocess:
         payload: dict[str, Any] = {
             "audio": {"features": self._features(audio)},
             "image": {"pixels": self._image(inputs.get("image"), text_ids)},
-            "speech": {"wav_path": os.path.abspath(os.path.expanduser(wav_path)), "stream_audio": stream_audio},
+            "speech": {"wav_path": None if wav_path is None else os.path.abspath(os.path.expanduser(wav_path)),
+                       "stream_audio": stream_audio},
             "shared": {"text": text, "text_ids": text_ids, "max_tokens": max_tokens},
         }
         if not speak:
@@ -188,11 +203,13 @@ class Thinker:
 class Talker:
     """Reads the thinker's tokens as they stream in and emits codec frames for each::
 
-        chunk:  {"index": i, "codes": int64 [frames_per_token, codebooks]}
-        result: {"wav_path": ..., "tokens": n, "frames": m}        (the vocoder's payload)
+        chunk:  {"index": i, "codes": int64 [frames_per_token, codebooks], "stream_audio": bool}
+        result: {"wav_path": ..., "tokens": n, "frames": m, "stream_audio": bool}
+                                                                   (the vocoder's payload)
 
-    Its payload (``{"wav_path": ...}`` plus the shared inputs) comes early, straight from
-    preprocess, so it speaks while the thinker is still writing.
+    Its payload (``{"wav_path", "stream_audio"}`` plus the shared inputs) comes early, straight
+    from preprocess, so it speaks while the thinker is still writing. Each chunk tells the vocoder,
+    whose own payload comes only when the talker is done, whether to stream its audio.
     """
 
     def __init__(self, source: str = "thinker", dim: int = 32, codebooks: int = 4, codebook_size: int = 64,
@@ -202,31 +219,36 @@ class Talker:
         self.model = _seeded(seed, lambda: TalkerLM(dim, codebooks, codebook_size, frames_per_token)).to(device).eval()
 
     async def __call__(self, payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        payload = await ctx.payload()  # from preprocess: here before the first word, in practice
+        stream_audio = bool(payload.get("stream_audio", False))
         state = self.model.initial_state().to(self.device)
         tokens = frames = 0
         async for chunk in ctx.stream_from(self.source):
             with torch.inference_mode():
                 codes, state = self.model.speak(int(chunk["token_id"]), state)
             codes = codes.cpu().clone()
-            await ctx.emit({"index": tokens, "codes": codes})
+            await ctx.emit({"index": tokens, "codes": codes, "stream_audio": stream_audio})
             tokens += 1
             frames += codes.shape[0]
-        return {"wav_path": payload["wav_path"], "tokens": tokens, "frames": frames,
-                "stream_audio": bool(payload.get("stream_audio", False))}
+        return {"wav_path": payload["wav_path"], "tokens": tokens, "frames": frames, "stream_audio": stream_audio}
 
 
 # -- vocoder --------------------------------------------------------------------------------------
 
 
 class Vocoder:
-    """Turns the talker's codec frames into audio as they stream in and writes a WAV file
-    (mono, 16-bit PCM) at ``wav_path``::
+    """Turns the talker's codec frames into audio as they stream in, emitting each frame's
+    audio at once when the frames ask for it (``stream_audio``), and writes a WAV file (mono,
+    16-bit PCM) at ``wav_path`` (none when it is null)::
 
+        chunk:  {"index": i, "pcm16": bytes, "sample_rate": 24000}     (only with stream_audio)
         result: {"wav_path": "/abs/path.wav", "sample_rate": 24000, "duration": 2.7,
                  "samples": ..., "frames": ...}
 
-    The file is written under a temporary name and renamed when complete, so a reader never sees
-    half a file and an aborted request leaves nothing behind.
+    Its call starts on the talker's first frames (``can_accept_stream_before_payload``); its
+    payload, the talker's result with the file name, comes when the talker is done, and the file
+    is written then, under a temporary name renamed when complete, so a reader never sees half a
+    file and an aborted request leaves nothing behind.
     """
 
     def __init__(self, source: str = "talker", sample_rate: int = 24000, hop: int = 1200, dim: int = 32,
@@ -237,40 +259,29 @@ class Vocoder:
         self.device = device
         self.model = _seeded(seed, lambda: VocoderNet(dim, codebooks, codebook_size, harmonics)).to(device).eval()
 
-    async def __call__(self, payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        path = os.path.abspath(payload["wav_path"])
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+    async def __call__(self, payload: Any, ctx: Any) -> dict[str, Any]:
         synth = Synth(self.sample_rate, self.hop)
-        frames = 0
-        stream_audio = bool(payload.get("stream_audio", False))
-        index = 0
-        try:
-            with os.fdopen(fd, "wb") as raw, wave.open(raw, "wb") as out:
-                out.setnchannels(1)
-                out.setsampwidth(2)
-                out.setframerate(self.sample_rate)
-                async for chunk in ctx.stream_from(self.source):
-                    codes = chunk["codes"].to(self.device)
-                    with torch.inference_mode():
-                        params = self.model(codes).cpu()
-                    pcm = to_pcm16(synth.frames(params))
-                    out.writeframes(pcm)
-                    frames += codes.shape[0]
-                    if stream_audio:
-                        await ctx.emit({"index": index, "pcm16": bytes(pcm), "sample_rate": self.sample_rate})
-                        index += 1
-                tail = to_pcm16(synth.tail())
-                out.writeframes(tail)
-                if stream_audio:
-                    await ctx.emit({"index": index, "pcm16": bytes(tail), "sample_rate": self.sample_rate})
-            os.chmod(partial, 0o644)
-            os.replace(partial, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            raise
+        audio = bytearray()
+        frames = index = 0
+        async for chunk in ctx.stream_from(self.source):  # from the talker's first frames on
+            codes = chunk["codes"].to(self.device)
+            with torch.inference_mode():
+                params = self.model(codes).cpu()
+            pcm = to_pcm16(synth.frames(params))
+            audio += pcm
+            frames += codes.shape[0]
+            if chunk.get("stream_audio"):
+                await ctx.emit({"index": index, "pcm16": pcm, "sample_rate": self.sample_rate})
+                index += 1
+        payload = await ctx.payload()  # the talker's result: it came with the end of its frames
+        tail = to_pcm16(synth.tail())
+        audio += tail
+        if payload.get("stream_audio"):
+            await ctx.emit({"index": index, "pcm16": tail, "sample_rate": self.sample_rate})
+        path = payload["wav_path"]
+        if path is not None:
+            path = os.path.abspath(path)
+            self._write(path, audio)
         return {
             "wav_path": path,
             "sample_rate": self.sample_rate,
@@ -278,3 +289,20 @@ class Vocoder:
             "samples": synth.samples,
             "frames": frames,
         }
+
+    def _write(self, path: str, audio: bytes) -> None:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as raw, wave.open(raw, "wb") as out:
+                out.setnchannels(1)
+                out.setsampwidth(2)
+                out.setframerate(self.sample_rate)
+                out.writeframes(audio)
+            os.chmod(partial, 0o644)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
