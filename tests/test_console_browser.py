@@ -22,8 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-
-from omni_core.testing.serve import ServerProcess
+from test_console_push import served
 
 CHROMIUM = os.environ.get("OMNI_CHROMIUM", "/usr/bin/chromium")
 if os.environ.get("OMNI_REQUIRE_CHROMIUM") == "1":  # tox env console: a skip would be a failure
@@ -48,13 +47,8 @@ TIMEOUT_MS = 30_000
 def server(tmp_path_factory):
     # The demo's vocoder writes its WAV files in the server's working directory.
     env = {"OMNI_LOAD_PLUGINS": "contrib"}
-    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("console")), env=env, ready_timeout=300).start()
-    try:
+    with served("demo", cwd=str(tmp_path_factory.mktemp("console")), env=env, ready_timeout=300) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
 
 
 class Watch:

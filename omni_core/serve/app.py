@@ -383,24 +383,7 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
                 raise
             return _failed(request, exc)
 
-        async def body() -> AsyncIterator[bytes]:
-            event = first
-            try:
-                while event is not None:
-                    if event.is_result:
-                        yield sse("result", {"id": request_id, "result": to_jsonable(event.data)})
-                        return
-                    yield sse("chunk", {"stage": event.stage, "data": to_jsonable(event.data)})
-                    event = await events.__anext__()
-            except StopAsyncIteration:
-                return
-            except (Exception, asyncio.TimeoutError) as exc:
-                err = _note_error(request, exc)
-                yield sse("error", error_body(err)["error"])
-            finally:
-                await events.aclose()
-
-        return EventStream(body())
+        return EventStream(stream_body(request, events, first, request_id))
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -424,6 +407,32 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
     from .limits import BodyLimit
 
     return AccessLog(BodyLimit(app, state.pipeline.config.serve.max_request_bytes), state)
+
+
+async def stream_body(request: Any, events: AsyncIterator[Any], first: Any, request_id: str, *,
+                      traceback: Callable[[BaseException], str] | None = None) -> AsyncIterator[bytes]:
+    """A request's SSE body: ``first`` (an event, None at the end, or the exception that ended
+    the request before its first event), then the rest of ``events``: every chunk, then the
+    result or the error (``traceback(exc)`` added to its fields when given)."""
+    event = first
+    try:
+        while event is not None:
+            if isinstance(event, BaseException):
+                raise event
+            if event.is_result:
+                yield sse("result", {"id": request_id, "result": to_jsonable(event.data)})
+                return
+            yield sse("chunk", {"stage": event.stage, "data": to_jsonable(event.data)})
+            event = await events.__anext__()
+    except StopAsyncIteration:
+        return
+    except (Exception, asyncio.TimeoutError) as exc:
+        body = error_body(_note_error(request, exc))["error"]
+        if traceback is not None:
+            body["traceback"] = traceback(exc)
+        yield sse("error", body)
+    finally:
+        await events.aclose()
 
 
 def _note_error(request: Any, exc: BaseException) -> HTTPError:

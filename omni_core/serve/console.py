@@ -42,13 +42,13 @@ from ..encoding import to_jsonable
 from .app import (
     EventStream,
     ServeState,
-    _note_error,
     _request_fields,
     new_request_id,
     read_json,
     sse,
+    stream_body,
 )
-from .errors import HTTPError, error_body, error_response
+from .errors import HTTPError, error_response
 
 #: Seconds between two ``state`` events of the push channel.
 PUSH_INTERVAL = 0.5
@@ -286,7 +286,7 @@ def routes(state: ServeState) -> list[Any]:
             first = None
         except Exception as exc:
             first = exc
-        return EventStream(_play(request, stream, first, request_id))
+        return EventStream(stream_body(request, stream, first, request_id, traceback=_traceback))
 
     return [
         Route("/", page, methods=["GET"]),
@@ -297,27 +297,9 @@ def routes(state: ServeState) -> list[Any]:
     ]
 
 
-async def _play(request: Any, stream: Any, first: Any, request_id: str) -> AsyncIterator[bytes]:
-    """The playground's events: every chunk, then the result or the error (with the stage's
-    traceback, paths cut to file names)."""
-    event = first
-    try:
-        while event is not None:
-            if isinstance(event, Exception):
-                raise event
-            if event.is_result:
-                yield sse("result", {"id": request_id, "result": to_jsonable(event.data)})
-                return
-            yield sse("chunk", {"stage": event.stage, "data": to_jsonable(event.data)})
-            event = await stream.__anext__()
-    except StopAsyncIteration:
-        return
-    except (Exception, asyncio.TimeoutError) as exc:
-        body = error_body(_note_error(request, exc))["error"]
-        body["traceback"] = strip_paths(getattr(exc, "traceback", "") or "")
-        yield sse("error", body)
-    finally:
-        await stream.aclose()
+def _traceback(exc: BaseException) -> str:
+    """A failed stage's traceback for the playground, paths cut to file names."""
+    return strip_paths(getattr(exc, "traceback", "") or "")
 
 
 async def push(state: ServeState) -> AsyncIterator[bytes]:
