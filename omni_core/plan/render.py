@@ -116,7 +116,8 @@ def _nodes_dict(plan: Plan) -> dict[str, Any]:
     if not plan.nodes:
         return {}
     return {"nodes": {COORDINATOR if k == "" else k: v for k, v in plan.nodes.items()},
-            "crossing_edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay}
+            "crossing_edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay,
+                                "ms_per_mib": e.ms_per_mib}
                                for e in plan.edges if e.crosses_nodes]}
 
 
@@ -186,6 +187,12 @@ def render_text(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cost_text(edge: EdgeSpec) -> str | None:
+    if not edge.crosses_nodes:
+        return None
+    return "not measured" if edge.ms_per_mib is None else f"{edge.ms_per_mib:g} ms"
+
+
 def _render_nodes(plan: Plan, lines: list[str]) -> str:
     """The end of the report for a plan on several nodes: nodes, edges (crossing or not) and
     which endpoints are tcp."""
@@ -195,8 +202,12 @@ def _render_nodes(plan: Plan, lines: list[str]) -> str:
     tcp = tcp_receivers(plan, nodes)
     lines += ["", "nodes"] + table(["process", "node"], [[f"({COORDINATOR})", nodes[""]], *[[p.name, nodes[p.name]] for p in plan.processes]])
     lines += ["", "edges"] + table(
-        ["from", "to", "kind", "relay", "crosses nodes"],
-        [[e.src, e.dst, e.kind, _relay_text(e), "yes" if e.crosses_nodes else "no"] for e in plan.edges])
+        ["from", "to", "kind", "relay", "crosses nodes", "cost per MiB (bench)"],
+        [[e.src, e.dst, e.kind, _relay_text(e), "yes" if e.crosses_nodes else "no", _cost_text(e)]
+         for e in plan.edges])
+    if any(e.crosses_nodes for e in plan.edges):
+        lines.append("  cost: what the relay's benchmark measured between two nodes (docs/performance.md); "
+                     "'not measured' when the relay declares none")
     coordinator, addresses = _endpoints(plan)
     rows = [[f"({COORDINATOR})", coordinator, "tcp + CurveZMQ (port chosen at start)" if "" in tcp else "-"]]
     rows += [[n, a, "tcp + CurveZMQ (port chosen at start)" if n in tcp else "-"] for n, a in addresses.items()]

@@ -13,7 +13,7 @@ import attrs
 
 from ..config.schema import PipelineConfig, StageConfig
 from ..errors import ConfigError, ConfigIssue
-from ..registry import Registry
+from ..registry import Registry, is_dotted_path
 from .placement import (
     Device,
     GpuLoad,
@@ -109,6 +109,9 @@ class EdgeSpec:
     local: bool
     #: Whether the two ends run on different nodes (known once a multi-node launcher placed them).
     crosses_nodes: bool = False
+    #: For an edge across nodes: the milliseconds per MiB its relay's benchmark measured between
+    #: two nodes (the relay's ``capabilities.ms_per_mib``), None when it declares none.
+    ms_per_mib: float | None = None
 
 
 @attrs.frozen
@@ -439,7 +442,10 @@ def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) 
     the tcp control plane, unless a network relay plugin ranks higher)."""
     relay_cfg = src.relay or cfg.relay
     if relay_cfg.backend != "auto":
-        caps = getattr(registry.resolve("relay", relay_cfg.backend), "capabilities", None)
+        backend = relay_cfg.backend  # its registration's word on scopes, else its class's
+        caps = None if is_dotted_path(backend) else registry.get("relay", backend).capabilities
+        if caps is None:
+            caps = getattr(registry.resolve("relay", relay_cfg.backend), "capabilities", None)
         if caps is None or "cluster" not in caps.scopes:
             path = f"stages[{cfg.stage_names.index(src.name)}].relay" if src.relay else "relay"
             raise ConfigError([ConfigIssue(
@@ -447,11 +453,19 @@ def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) 
                 "use 'relay: auto' (inline across nodes), a relay that declares the 'cluster' scope, or pin both stages to one node")])
         return relay_cfg.backend
     best: tuple[int, str] | None = None
-    for entry in registry.entries("relay"):
-        caps = getattr(entry.load(), "capabilities", None)
+    for entry in registry.entries("relay"):  # registration metadata: no relay module is imported
+        caps = entry.capabilities
         if caps is not None and "cluster" in caps.scopes and (best is None or caps.priority > best[0]):
             best = (caps.priority, entry.name)
     return best[1] if best else "inline"
+
+
+def _cost(registry: Registry, relay: str) -> float | None:
+    """The measured cost per MiB across nodes that ``relay`` declared at registration."""
+    if is_dotted_path(relay):
+        return None
+    caps = registry.get("relay", relay).capabilities
+    return getattr(caps, "ms_per_mib", None)
 
 
 def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> Plan:
@@ -465,5 +479,5 @@ def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> 
             edges.append(edge)
             continue
         relay = cross_node_relay(plan.config, plan.config.stage(edge.src), registry)
-        edges.append(attrs.evolve(edge, relay=relay, crosses_nodes=True))
+        edges.append(attrs.evolve(edge, relay=relay, crosses_nodes=True, ms_per_mib=_cost(registry, relay)))
     return attrs.evolve(plan, edges=tuple(edges), nodes=dict(nodes))

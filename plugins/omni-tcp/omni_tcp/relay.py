@@ -427,6 +427,8 @@ class TcpRelay(Relay):
     def debug_state(self) -> dict[str, int]:
         with self._lock:
             targets, links = list(self._targets.values()), list(self._links.values())
+        for tgt in targets:
+            tgt.credits.reclaim()  # releases that came back since the last put
         return {
             "received": len(self._held),
             "unclaimed": sum(link.unclaimed() for link in links),
