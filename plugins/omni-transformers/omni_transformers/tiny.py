@@ -39,6 +39,11 @@ CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 8292, 8293, 8294, 8296
 # rows of the output heads are scaled so that a reply ends after some tens of steps.
 THINKER_EOS_SCALE = 1.7
 TALKER_EOS_SCALE = 2.4
+# At random init the DiT's attention barely couples mel frames (a change reaches 1e-7 one block away), so
+# chunked synthesis would be exact for free; these scales make a frame feel its neighbour blocks (1e-3
+# one block away, 1e-5 two), as a trained DiT does, so streamed token2wav is tested against real context.
+DIT_VALUE_SCALE = 30.0
+DIT_GATE_SCALE = 10.0
 SAMPLE_RATE = 24000
 
 # Renders content parts as the real checkpoint's template does: an audio part is
@@ -212,6 +217,10 @@ def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
     with torch.no_grad():
         model.thinker.lm_head.weight[SPECIAL["<|im_end|>"]] *= THINKER_EOS_SCALE
         model.talker.codec_head.weight[CODEC_EOS] *= TALKER_EOS_SCALE
+        for block in model.token2wav.code2wav_dit_model.transformer_blocks:
+            block.attn.to_v.weight *= DIT_VALUE_SCALE
+            block.attn.to_out[0].weight *= DIT_VALUE_SCALE
+            block.attn_norm.linear.weight *= DIT_GATE_SCALE
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")

@@ -1,8 +1,28 @@
-"""The token2wav stage: codec codes -> waveform (DiT flow matching + BigVGAN)."""
+"""The token2wav stage: codec codes -> waveform (DiT flow matching + BigVGAN), synthesised in chunks
+as the talker's codes arrive.
+
+The chunk schedule (``first_chunk_codes``, then chunks ``chunk_growth`` times larger, at most
+``max_chunk_codes``) and the context each chunk is computed with follow the model's structure:
+
+- The DiT attends block-wise (``block_size`` mel frames): a layer with look-back / look-ahead
+  sees one block before / after its own. A chunk's mel comes from the ODE run over a window that
+  starts ``lookback_codes`` before the chunk and ends ``lookahead_codes`` after it, both aligned to
+  DiT blocks, so every frame of the chunk sees the blocks the unchunked run would show it at each
+  evaluation nearby. (The ODE's 4 × (num_steps − 1) evaluations compound the look-ahead, so the
+  far future still reaches a frame a little: the chunks equal the unchunked synthesis within a
+  measured bound, not bit for bit; see docs/models.md.)
+- The initial noise of a window is the slice of the noise the unchunked synthesis draws (a CPU
+  generator's ``randn`` of n frames is the prefix of a longer draw, but for its last 16 values,
+  which only the final chunk uses, drawn exactly).
+- BigVGAN is convolutional: each chunk is vocoded with ``vocoder_context`` mel frames on each side
+  (its receptive field, measured when the stage starts) and trimmed to its own samples, so the
+  vocoder adds no error of its own.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import torch
@@ -18,14 +38,63 @@ from .models import (
 )
 
 
+def vocoder_receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, limit: int = 1024) -> int:
+    """How many mel frames on either side of a frame change BigVGAN's output for it: a one-frame
+    change in the middle of a random mel, and the span of samples it moves (grown until the span
+    stays inside the probe)."""
+    probe = start
+    generator = torch.Generator().manual_seed(0)
+    while probe <= limit:
+        length = 2 * probe + 1
+        mel = torch.randn(1, mel_dim, length, generator=generator).to(device) * 0.5 - 4
+        bumped = mel.clone()
+        bumped[..., probe] += 1.0
+        with torch.inference_mode():
+            moved = (vocoder(mel).reshape(-1) != vocoder(bumped).reshape(-1)).nonzero().reshape(-1)
+        if moved.numel() == 0:
+            return 0
+        first, last = int(moved[0]) // hop, int(moved[-1]) // hop
+        reach = max(probe - first, last - probe)
+        if first > 0 and last < length - 1:
+            return reach + 1
+        probe *= 2
+    raise RuntimeError(f"BigVGAN's receptive field is wider than {limit} mel frames on each side")
+
+
+#: The stated bound between streamed chunks (concatenated) and the unchunked synthesis of the same
+#: codes with the same noise: relative RMS error and Pearson correlation (measured on the tiny
+#: checkpoint with the default schedule: about 1e-6 and 1.0; docs/models.md).
+STREAM_MAX_RELATIVE_ERROR = 1e-4
+STREAM_MIN_CORRELATION = 0.9999
+
+
+def stream_error(streamed: torch.Tensor, unchunked: torch.Tensor) -> tuple[float, float]:
+    """(relative RMS error, correlation) of a streamed waveform against the unchunked one."""
+    if streamed.shape != unchunked.shape:
+        raise ValueError(f"the streamed audio has {streamed.numel()} samples, the unchunked {unchunked.numel()}")
+    a, b = streamed.double(), unchunked.double()
+    if b.numel() == 0:
+        return 0.0, 1.0
+    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1]) if b.numel() > 1 else 1.0
+    return rel, corr
+
+
 class Token2Wav:
-    """Codes → waveform (DiT flow matching + BigVGAN), one chunk once the talker's codes are all in
-    (the sliding-window DiT is not split here: chunked synthesis would not equal ``generate``).
-    Forwards the text chunks to the caller as they come; returns the whole result."""
+    """Codes → waveform (DiT flow matching + BigVGAN), streamed: ``{"audio", "sample_rate"}`` chunks
+    as the talker's codes arrive (``stream: false``: one chunk once the codes are all in, equal to
+    ``generate``'s). Forwards the text chunks to the caller as they come; returns the whole result.
+
+    Chunk schedule: the first chunk holds ``first_chunk_codes`` codes and is synthesised once
+    ``lookahead_codes`` more have arrived; each next chunk is ``chunk_growth`` times larger, up to
+    ``max_chunk_codes``; when the talker ends, the rest comes as one chunk. Chunk boundaries and
+    context are rounded up to whole DiT blocks."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
-                 wav_path: str | None = None, source: str = "talker"):
+                 wav_path: str | None = None, source: str = "talker", stream: bool = True,
+                 first_chunk_codes: int = 8, chunk_growth: float = 2.0, max_chunk_codes: int = 256,
+                 lookahead_codes: int = 8, lookback_codes: int = 8, vocoder_context: int | None = None):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         if torch_dtype(dtype, torch.float32) != torch.float32:
@@ -36,6 +105,41 @@ class Token2Wav:
         self.sample_rate = sample_rate or sample_rate_of(self.path)
         self.wav_path = wav_path
         self.source = source
+        self.stream = stream
+        dit = self.model.code2wav_dit_model
+        self.repeats = dit.repeats
+        # Chunk boundaries fall on DiT block boundaries: `align` codes make whole blocks.
+        self.align = math.lcm(dit.block_size, dit.repeats) // dit.repeats
+        for name, value in (("first_chunk_codes", first_chunk_codes), ("max_chunk_codes", max_chunk_codes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("lookahead_codes", lookahead_codes), ("lookback_codes", lookback_codes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not chunk_growth >= 1:
+            raise ValueError(f"chunk_growth must be at least 1, got {chunk_growth!r}")
+        self.first_chunk_codes = self._aligned(first_chunk_codes)
+        self.max_chunk_codes = max(self.first_chunk_codes, self._aligned(max_chunk_codes))
+        self.chunk_growth = float(chunk_growth)
+        self.lookahead_codes = self._aligned(lookahead_codes)
+        self.lookback_codes = self._aligned(lookback_codes)
+        vocoder = self.model.code2wav_bigvgan_model
+        self.hop = math.prod(vocoder.config.upsample_rates)
+        if vocoder_context is None:
+            vocoder_context = vocoder_receptive_field(vocoder, vocoder.config.mel_dim, self.hop, self.device)
+        self.vocoder_context = int(vocoder_context)
+
+    def _aligned(self, codes: int) -> int:
+        return -(-codes // self.align) * self.align
+
+    def chunk_schedule(self, total: int | None = None) -> list[int]:
+        """The chunk sizes in codes (for ``total`` codes, the last one what is left)."""
+        sizes, size, done = [], self.first_chunk_codes, 0
+        while total is None and len(sizes) < 8 or total is not None and done < total:
+            sizes.append(size if total is None else min(size, total - done))
+            done += sizes[-1]
+            size = min(self.max_chunk_codes, self._aligned(int(size * self.chunk_growth)))
+        return sizes
 
     def _write_wav(self, path: str, audio: torch.Tensor) -> str:
         """16-bit mono PCM, written next to ``path`` then renamed (concurrent writers never mix)."""
@@ -59,70 +163,218 @@ class Token2Wav:
             raise
         return str(target)
 
-    def _synthesize(self, codes: list[int], speaker: dict, generator: torch.Generator) -> torch.Tensor:
+    # -- model steps (worker threads) ---------------------------------------------------
+    def _mel(self, codes: list[int], noise: torch.Tensor, speaker: dict) -> torch.Tensor:
+        """Qwen2_5OmniToken2WavDiTModel.sample on ``codes`` from the initial ``noise`` [1, frames, mel]:
+        the mel [1, frames, mel]."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
+        dit = self.model.code2wav_dit_model
+        code = torch.tensor([codes], dtype=torch.long, device=self.device)
+        cond = speaker["cond"].to(self.device).float().expand(1, -1)
+        ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
+        guidance = self.options["guidance_scale"]
+
+        def ode_function(time_step, hidden_states):
+            if guidance < 1e-5:
+                return dit(hidden_states=hidden_states, speaker_embedding=cond, condition_vector=ref_mel,
+                           quantized_code=code, time_step=time_step, drop_audio_conditioning=False,
+                           drop_code=False, apply_cfg=False)
+            out = dit(hidden_states=hidden_states, quantized_code=code, speaker_embedding=cond,
+                      condition_vector=ref_mel, time_step=time_step, apply_cfg=True)
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * guidance
+
+        times = torch.linspace(0, 1, self.options["num_steps"], device=self.device, dtype=cond.dtype)
+        sway = self.options["sway_coefficient"]
+        if sway is not None:
+            times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
+        return trajectory[-1]
+
+    def _check_length(self, n_codes: int) -> None:
+        dit = self.model.code2wav_dit_model
+        if n_codes * dit.repeats > dit.config.max_position_embeddings:
+            raise ValueError(f"{n_codes} codes make a mel of {n_codes * dit.repeats} frames, more than the DiT's "
+                             f"max_position_embeddings ({dit.config.max_position_embeddings})")
+
+    def _synthesize(self, codes: list[int], speaker: dict, generator: torch.Generator) -> torch.Tensor:
+        """The whole waveform at once, as ``Qwen2_5OmniToken2WavModel.forward`` (the noise from ``generator``)."""
+        self._check_length(len(codes))
         with torch.inference_mode():
             dit = self.model.code2wav_dit_model
-            code = torch.tensor([codes], dtype=torch.long, device=self.device)
-            cond = speaker["cond"].to(self.device).float().expand(1, -1)
-            ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
-            # Qwen2_5OmniToken2WavDiTModel.sample, with the initial noise from this request's generator.
-            duration = code.shape[1] * dit.repeats
-            if duration > dit.config.max_position_embeddings:
-                raise ValueError(f"{len(codes)} codes make a mel of {duration} frames, more than the DiT's "
-                                 f"max_position_embeddings ({dit.config.max_position_embeddings})")
-            noise = torch.randn([1, duration, dit.mel_dim], dtype=ref_mel.dtype, device=self.device,
+            noise = torch.randn([1, len(codes) * dit.repeats, dit.mel_dim], dtype=torch.float32, device=self.device,
                                 generator=generator)
-            cond = cond.unsqueeze(1).repeat(1, duration, 1)
-            guidance = self.options["guidance_scale"]
-
-            def ode_function(time_step, hidden_states):
-                if guidance < 1e-5:
-                    return dit(hidden_states=hidden_states, speaker_embedding=cond, condition_vector=ref_mel,
-                               quantized_code=code, time_step=time_step, drop_audio_conditioning=False,
-                               drop_code=False, apply_cfg=False)
-                out = dit(hidden_states=hidden_states, quantized_code=code, speaker_embedding=cond,
-                          condition_vector=ref_mel, time_step=time_step, apply_cfg=True)
-                guided, null = torch.chunk(out, 2, dim=0)
-                return guided + (guided - null) * guidance
-
-            times = torch.linspace(0, 1, self.options["num_steps"], device=self.device, dtype=cond.dtype)
-            sway = self.options["sway_coefficient"]
-            if sway is not None:
-                times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
-            trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
-            mel = trajectory[-1].permute(0, 2, 1)
+            mel = self._mel(codes, noise, speaker).permute(0, 2, 1)
             return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
     async def __call__(self, payload: dict, ctx) -> dict:
-        speaker = speaker_params(self.speakers, payload.get("speaker", DEFAULT_SPEAKER))
-        generator = make_generator(request_seed(payload), self.device)
-        text: list[str] = []
-        token_ids: list[int] = []
-        codes: list[int] = []
-        finished = False
-        async for chunk in ctx.stream_from(self.source):
-            if "text" in chunk:
-                text.append(chunk["text"])
-                token_ids.extend(chunk["token_ids"])
-                await ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
-            if "codes" in chunk:
-                codes.extend(int(c) for c in chunk["codes"])
-            if chunk.get("final"):
-                finished = True
-                if chunk.get("rng_state") is not None:  # continue the talker's RNG, as generate's global one
-                    generator.set_state(torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8))
-        if not finished:
-            raise RuntimeError(f"the {self.source} stream ended without its final chunk")
-        if codes:
-            audio = await asyncio.to_thread(self._synthesize, codes, speaker, generator)
-        else:  # the talker ended at once; generate would fail on an empty code sequence
-            audio = torch.zeros(0)
-        await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
-        result = {"text": "".join(text), "token_ids": token_ids, "codes": codes, "audio": audio,
-                  "sample_rate": self.sample_rate}
+        from omni_core import PENDING
+
+        received = _Received(ctx, self.source)
+        reader = asyncio.create_task(received.read())  # text goes on to the caller before the payload is here
+        chunks: list[torch.Tensor] = []
+        try:
+            if payload is PENDING:  # started on the talker's first chunk (can_accept_stream_before_payload)
+                payload = await ctx.payload()
+            speaker = speaker_params(self.speakers, payload.get("speaker", DEFAULT_SPEAKER))
+            generator = make_generator(request_seed(payload), self.device)
+            if self.stream:
+                synthesis = ChunkedSynthesis(self, speaker, generator)
+                while True:
+                    await received.wait(lambda: synthesis.ready(len(received.codes), received.finished))
+                    if synthesis.ready(len(received.codes), received.finished):
+                        codes, final = list(received.codes), received.finished
+                        audio = await asyncio.to_thread(synthesis.next_chunk, codes, final)
+                        chunks.append(audio)
+                        await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
+                    elif received.finished:
+                        break
+            await reader
+            if not self.stream:
+                if received.rng_state is not None:  # continue the talker's RNG, as generate's global one
+                    generator.set_state(received.rng_state)
+                audio = (await asyncio.to_thread(self._synthesize, received.codes, speaker, generator)
+                         if received.codes else torch.zeros(0))  # generate fails on an empty code sequence
+                chunks.append(audio)
+                await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
+        finally:
+            if not reader.done():
+                reader.cancel()
+        if not chunks:  # the talker ended at once
+            chunks.append(torch.zeros(0))
+            await ctx.emit({"audio": chunks[0], "sample_rate": self.sample_rate})
+        audio = torch.cat(chunks)
+        result = {"text": "".join(received.text), "token_ids": received.token_ids, "codes": received.codes,
+                  "audio": audio, "sample_rate": self.sample_rate}
+        for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+            if key in received.extra:
+                result[key] = received.extra[key]
         wav_path = payload.get("wav_path", self.wav_path)
         if wav_path:
             result["wav_path"] = await asyncio.to_thread(self._write_wav, str(wav_path), audio)
         return result
+
+
+class _Received:
+    """What the talker's stream brought so far, read in a task of its own: forwards text to the
+    caller at once, keeps the codes; ``wait(ready)`` returns when ``ready()`` holds or the stream
+    ended."""
+
+    def __init__(self, ctx, source: str):
+        self.ctx, self.source = ctx, source
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.codes: list[int] = []
+        self.extra: dict = {}
+        self.finished = False
+        self.ended = False
+        self.rng_state: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.changed = asyncio.Event()
+
+    async def read(self) -> None:
+        try:
+            async for chunk in self.ctx.stream_from(self.source):
+                if "text" in chunk:
+                    self.text.append(chunk["text"])
+                    self.token_ids.extend(chunk["token_ids"])
+                    await self.ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
+                if "codes" in chunk:
+                    self.codes.extend(int(c) for c in chunk["codes"])
+                for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+                    if key in chunk:
+                        self.extra[key] = chunk[key]
+                if chunk.get("final"):
+                    self.finished = True
+                    if chunk.get("rng_state") is not None:
+                        self.rng_state = torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8)
+                self.changed.set()
+            if not self.finished:
+                raise RuntimeError(f"the {self.source} stream ended without its final chunk")
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.ended = True
+            self.changed.set()
+
+    async def wait(self, ready) -> None:
+        while not ready():
+            if self.error is not None:
+                raise RuntimeError(f"reading the {self.source} stream failed: {self.error!r}") from self.error
+            if self.ended:
+                return
+            self.changed.clear()
+            await self.changed.wait()
+
+
+class ChunkedSynthesis:
+    """One request's streamed synthesis: ``ready(n, final)`` says whether the next chunk can be
+    made from ``n`` codes, ``next_chunk(codes, final)`` makes it (a worker thread)."""
+
+    def __init__(self, stage: Token2Wav, speaker: dict, generator: torch.Generator):
+        self.stage = stage
+        self.speaker = speaker
+        self.noise_state = generator.get_state()
+        self.noise = torch.zeros(0)  # a prefix of the noise draw (frames x mel), grown as needed
+        dit = stage.model.code2wav_dit_model
+        self.mel_dim = dit.mel_dim
+        self.margin = -(-16 // (dit.repeats * dit.mel_dim))  # codes holding 16 noise values
+        self.done = 0  # codes whose audio was made
+        self.size = stage.first_chunk_codes
+        self.mel = torch.zeros(0, self.mel_dim)  # the mel of the codes done (frames x mel)
+        self.finished = False
+
+    def _scheduled(self, n: int) -> bool:
+        """Whether ``n`` codes hold the next scheduled chunk, its look-ahead and the codes of 16 noise values more: the
+        noise of a window then never reaches the last 16 values of the final draw, so a chunk does
+        not depend on whether the talker had ended when it was made."""
+        return n >= self.done + self.size + self.stage.lookahead_codes + self.margin
+
+    def ready(self, n: int, final: bool) -> bool:
+        if self.finished:
+            return False
+        return final or self._scheduled(n)
+
+    def _noise(self, frames: int, total: int | None) -> torch.Tensor:
+        """The first ``frames`` frames of the noise; ``total``: the whole draw's length when known."""
+        generator = torch.Generator(device=self.stage.device)
+        generator.set_state(self.noise_state)
+        if total is not None:  # the final draw: exactly what the unchunked synthesis draws
+            return torch.randn([total, self.mel_dim], generator=generator, device=self.stage.device)[:frames]
+        if self.noise.shape[0] < frames + 16:  # a longer draw: equal to the final one but for its last 16 values
+            length = max(2 * self.noise.shape[0], frames + 16, 256)
+            self.noise = torch.randn([length, self.mel_dim], generator=generator, device=self.stage.device)
+        return self.noise[:frames]
+
+    def next_chunk(self, codes: list[int], final: bool) -> torch.Tensor:
+        stage = self.stage
+        rep, n = stage.repeats, len(codes)
+        start = self.done
+        scheduled = self._scheduled(n)
+        end = start + self.size if scheduled else n  # after the talker's end: the rest, once none is scheduled
+        window_end = end + stage.lookahead_codes if scheduled else n
+        stage._check_length(window_end)
+        if end <= start:
+            self.finished = final
+            return torch.zeros(0)
+        window_start = max(0, start - stage.lookback_codes)
+        with torch.inference_mode():
+            noise = self._noise(window_end * rep, n * rep if final else None)[window_start * rep:]
+            mel = stage._mel(codes[window_start:window_end], noise[None], self.speaker)[0].float()
+            first, last = start * rep, end * rep  # this chunk's mel frames
+            ctx = stage.vocoder_context
+            left = self.mel[max(0, first - ctx):first]
+            right_end = min(window_end * rep, last + ctx)
+            own = mel[first - window_start * rep:right_end - window_start * rep]
+            vocoded = torch.cat([left.to(own.device), own]).T[None]
+            wave = stage.model.code2wav_bigvgan_model(vocoded).reshape(-1).float().cpu()
+            skip = left.shape[0] * stage.hop
+            audio = wave[skip:skip + (last - first) * stage.hop] if scheduled else wave[skip:]
+            self.mel = torch.cat([self.mel, own[:last - first].cpu()])
+        self.done = end
+        self.size = min(stage.max_chunk_codes, stage._aligned(int(self.size * stage.chunk_growth)))
+        self.finished = final and not scheduled
+        return audio.contiguous()

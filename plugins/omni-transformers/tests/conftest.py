@@ -30,7 +30,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(tiny_model):
     """``reference(input_ids, max_new_tokens, seed=0, speaker="Chelsie", **generate_kwargs)`` →
-    ``{"token_ids", "codes", "audio"}`` from transformers' own generate, in this process."""
+    ``{"token_ids", "codes", "audio", "unchunked"}`` from transformers' own generate, in this process
+    (``unchunked``: its token2wav on the codes with the noise drawn after ``torch.manual_seed(seed)``)."""
     from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniTalkerConfig  # noqa: F401
 
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_model).eval()
@@ -50,8 +51,16 @@ def reference(tiny_model):
             torch.manual_seed(seed)
             sequences, audio = model.generate(ids, speaker=speaker, thinker_max_new_tokens=max_new_tokens,
                                               talker_max_new_tokens=talker_max_new_tokens, **kwargs)
-            cache[key] = {"token_ids": sequences[0, len(input_ids):].tolist(),
-                          "codes": codes_seen[0][0].tolist(), "audio": audio}
+            codes = codes_seen[0][0].tolist()
+            # What streamed token2wav is compared with: the unchunked synthesis of the same codes, its
+            # noise drawn right after torch.manual_seed(seed) (generate's own audio when the talker is greedy).
+            torch.manual_seed(seed)
+            params = model.speaker_map[speaker]
+            with torch.inference_mode():
+                unchunked = model.token2wav(torch.tensor([codes]), conditioning=params["cond"].float()[None],
+                                            reference_mel=params["ref_mel"].float()).reshape(-1).float()
+            cache[key] = {"token_ids": sequences[0, len(input_ids):].tolist(), "codes": codes, "audio": audio,
+                          "unchunked": unchunked}
         return cache[key]
 
     return run
