@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 
 DEFAULT_SPEAKER = "Chelsie"
+#: What the thinker's result says of the request, in the OpenAI API's terms; token2wav's result
+#: carries them too (the talker passes them on): prompt tokens, generated tokens, "stop" | "length".
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "finish_reason")
 # The system prompt Qwen2.5-Omni needs to answer with speech (from its model card).
 DEFAULT_SYSTEM_PROMPT = (
     "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving auditory and "

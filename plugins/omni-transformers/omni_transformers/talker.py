@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from .common import request_seed
+from .common import USAGE_KEYS, request_seed
 from .models import Sampler, load_part, make_generator, resolve_model_path
 
 
@@ -126,8 +126,13 @@ class _ThinkerStream:
         try:
             async for chunk in self.ctx.stream_from(self.source):
                 if chunk.get("final"):
+                    # The thinker's counts (prompt_tokens, completion_tokens, finish_reason) go on
+                    # with its last text, for token2wav's result.
+                    usage = {k: chunk[k] for k in USAGE_KEYS if k in chunk}
                     if chunk.get("text"):
-                        await self.ctx.emit({"text": chunk["text"], "token_ids": []})
+                        await self.ctx.emit({"text": chunk["text"], "token_ids": [], **usage})
+                    elif usage:
+                        await self.ctx.emit(usage)
                     continue
                 if chunk.get("step") != expect:
                     raise RuntimeError(f"the {self.source} stream is out of order: chunk {chunk.get('step')} "

@@ -275,12 +275,12 @@ class Thinker:
                 if finish is not None:
                     finish_reason = finish
         tail = decoder.flush()
-        if self.speech:
-            await ctx.emit({"final": True, "text": tail})
+        usage = {"prompt_tokens": pre.length, "completion_tokens": len(tokens), "finish_reason": finish_reason}
+        if self.speech:  # the talker passes the counts on to token2wav, whose result carries them
+            await ctx.emit({"final": True, "text": tail, **usage})
         elif tail:
             await ctx.emit({"text": tail, "token_ids": []})
-        return {"text": decoder.text(), "token_ids": tokens, "prompt_tokens": pre.length,
-                "completion_tokens": len(tokens), "finish_reason": finish_reason}
+        return {"text": decoder.text(), "token_ids": tokens, **usage}
 
     async def close(self) -> None:
         await self.engine.loop.close()
