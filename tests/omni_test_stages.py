@@ -159,10 +159,12 @@ class Concurrency:
 
 
 class AbortAware:
-    """A sync stage that loops until it sees ctx.aborted, then records it in a file."""
+    """A sync stage that records in a file that it started, loops until it sees ctx.aborted, then
+    records that."""
 
     def __call__(self, payload, ctx):
-        end = time.monotonic() + 10
+        write_marker(payload["marker"], "started")
+        end = time.monotonic() + 60
         while time.monotonic() < end:
             if ctx.aborted:
                 write_marker(payload["marker"], "aborted")

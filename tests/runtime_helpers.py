@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from omni_core.testing.leaks import (  # noqa: F401 - re-exported for the runtime tests
     assert_nothing_left,
     descendants,
@@ -20,6 +22,17 @@ STAGES = "omni_test_stages"
 def arun(coro, timeout: float = 60):
     """Run ``coro`` to completion within ``timeout`` seconds."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(predicate, what: str, deadline_s: float = 30.0) -> None:
+    """Poll ``predicate`` (every 20 ms) until it holds; fail naming ``what`` at the deadline. The
+    way to wait for another process: a sleep orders nothing on a loaded machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(0.02)
 
 
 def stage(name: str, factory: str, **fields) -> dict:

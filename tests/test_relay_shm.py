@@ -147,7 +147,7 @@ def test_tensor_larger_than_a_slot_spans_consecutive_slots_of_the_pool(make, run
         await asyncio.sleep(0.2)
         assert not waiting.done()
         receiver.release(small.handle)
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, 30)
 
     run(whole_pool_waits_for_a_small_holder())
 
@@ -166,7 +166,7 @@ def test_oversized_transfer_uses_a_one_off_segment_removed_after_release(make, r
         await asyncio.sleep(0.2)
         assert not waiting.done(), "at most one oversized transfer in flight per target"
         receiver.release(transfer.handle)
-        return await asyncio.wait_for(waiting, 2)
+        return await asyncio.wait_for(waiting, 30)
 
     second = run(second_waits_for_first())
     assert len([n for n in shm_entries(run_id) if ".big" in n]) == 1, "the first was not removed"

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 from omni_core.config import load_config
@@ -21,16 +21,6 @@ from omni_core.errors import PipelineClosed, ProcessHung
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
 RESTART = {"policy": "on-failure", "max_restarts": 3}
-
-
-async def until(predicate, what: str, deadline_s: float = 30.0) -> None:
-    """Poll ``predicate`` (every 20 ms) until it holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 def replaced(p: Pipeline, old: dict[str, int], names) -> bool:

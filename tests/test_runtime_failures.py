@@ -9,7 +9,7 @@ import re
 
 import pytest
 import zmq
-from runtime_helpers import arun, fn, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, fn, no_leaks, pipeline, stage, until  # noqa: F401
 
 from omni_core import Pipeline, StageError, StartupError
 from omni_core.errors import ConfigError, Overloaded, RequestAborted, RequestTimeout
@@ -139,16 +139,13 @@ def test_sync_stage_sees_ctx_aborted(tmp_path):
     async def body():
         async with Pipeline(cfg) as p:
             task = asyncio.ensure_future(p.submit({"marker": str(marker)}, request_id="r"))
-            await asyncio.sleep(0.3)
+            await until(marker.exists, "the stage to start the request")
             await p.abort("r")
             with pytest.raises(RequestAborted):
                 await task
-            for _ in range(100):
-                if marker.exists():
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: marker.read_text() == "aborted", "the stage to see ctx.aborted")
 
-    arun(body())
+    arun(body(), timeout=100)
     assert marker.read_text() == "aborted"
 
 

@@ -3,11 +3,10 @@ and stream_done_to_fn."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import pytest
-from runtime_helpers import arun, fn, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, fn, no_leaks, pipeline, stage, until  # noqa: F401
 
 from omni_core import Pipeline, StageError
 from omni_core.errors import RequestTimeout
@@ -95,8 +94,7 @@ def test_leaving_the_stream_early_aborts_the_request():
             assert "r" not in p.by_id
             async for _ in p.stream({"text": "abcdefghij"}, request_id="r"):
                 break
-            await asyncio.sleep(0.1)  # a dropped generator is closed by the loop soon after
-            assert "r" not in p.by_id
+            await until(lambda: "r" not in p.by_id, "the dropped generator to be closed, aborting its request")
             return await p.submit({"text": "z"}, request_id="r")
 
     assert arun(body()) == {"text": "z"}

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage  # noqa: F401
+from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 from omni_core.errors import PipelineClosed, RequestAborted
@@ -30,13 +30,13 @@ def test_sigkill_of_a_stage_fails_requests_in_flight_within_two_seconds_and_stop
     async def body():
         async with Pipeline(cfg) as p:
             tasks = [asyncio.ensure_future(p.submit({"sleep": 30, "t": torch.ones(1 << 18)})) for _ in range(5)]
-            await asyncio.sleep(0.3)
+            await until(lambda: len(p.requests) == 5, "the five requests to be in flight")
             victim = p.pids()["s"]
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
             elapsed = time.monotonic() - killed_at
-            await asyncio.sleep(0.2)
+            await until(lambda: not p.running, "the pipeline to stop after the death")
             with pytest.raises(PipelineClosed, match="died"):
                 await p.submit({"sleep": 0})
             return results, elapsed, victim
@@ -58,18 +58,15 @@ def test_restart_on_failure_brings_the_process_back_a_bounded_number_of_times():
             with pytest.raises(ProcessDied) as info:
                 await p.submit({"crash": True})
             assert info.value.exitcode == 3
-            for _ in range(200):
-                if p.running and p.pids()["c"] != first_pid:
-                    break
-                await asyncio.sleep(0.05)
+            await until(lambda: p.running and p.pids()["c"] != first_pid, "the restarted process", 60)
             assert await p.submit({"ok": 1}) == {"ok": 1}
             with pytest.raises(ProcessDied):
                 await p.submit({"crash": True})
-            await asyncio.sleep(0.5)
+            await until(lambda: p.state in ("stopping", "stopped"), "the pipeline to stop: no restart left")
             with pytest.raises(PipelineClosed):
                 await p.submit({"ok": 2})
 
-    arun(body(), timeout=60)
+    arun(body(), timeout=100)
 
 
 PARENT = textwrap.dedent("""
@@ -92,26 +89,33 @@ PARENT = textwrap.dedent("""
 """)
 
 
+def run_segments(run_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-{run_id}")]
+
+
 def test_children_exit_when_the_parent_is_sigkilled():
     tests = os.path.dirname(__file__)
     proc = subprocess.Popen([sys.executable, "-c", PARENT.format(tests=tests)], stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(proc.stdout.readline())
         assert all(pid in descendants(proc.pid) for pid in info["pids"])
-        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-{info['run']}")], "no shm in use"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not run_segments(info["run"]):
+            time.sleep(0.05)
+        assert run_segments(info["run"]), "no shm in use"
         proc.kill()
-        proc.wait(5)
-        deadline = time.monotonic() + 10
+        proc.wait(30)
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(alive(pid) for pid in info["pids"]):
             time.sleep(0.1)
         left = [pid for pid in info["pids"] if alive(pid)]
         assert not left, f"stage processes outlived their parent: {left}"
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and os.path.exists(info["dir"]):
             time.sleep(0.1)
         assert not os.path.exists(info["dir"])
         # The children freed their relay memory on the way out: no segment of the run is left.
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-{info['run']}")]
+        assert not run_segments(info["run"])
     finally:
         proc.kill()
 
