@@ -10,6 +10,9 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
         openai:
           prompt_key: text            # the prompt goes to inputs[prompt_key]
           max_tokens_key: max_tokens  # max_tokens / max_completion_tokens go here (null: ignored)
+          prompt_tokens_field: prompt_tokens          # result[text_stage][...]: the usage numbers
+          completion_tokens_field: completion_tokens  # and why the answer ended ("stop" | "length")
+          finish_reason_field: finish_reason
           inputs: {}                  # merged into every request's inputs
           text_inputs: {speak: false} # ... when the client asked for text only
           audio_inputs: {stream_audio: true}   # ... when it asked for audio too
@@ -30,6 +33,15 @@ by 32767 and rounded half to even, as omni-transformers writes its WAV files) or
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 codes of ``omni serve`` (400, 404, 429 + Retry-After, 500, 503, 504).
+
+``usage`` and ``finish_reason`` come from the pipeline: its result (``result[text_stage]``, or
+the result itself with one terminal stage) carries ``prompt_tokens`` (int: the prompt's tokens as
+the model saw them), ``completion_tokens`` (int: the generated tokens) and ``finish_reason``
+(``"stop"``, or ``"length"`` when ``max_tokens`` cut the answer), under the names the
+``*_field`` options give. ``usage`` is null when the result has no counts, and ``finish_reason``
+is then ``"stop"``. A streamed response's last choice chunk has the finish reason; with
+``stream_options: {"include_usage": true}`` one more chunk follows with ``usage`` and no choices
+(every chunk has ``usage``, null until then), as OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -242,6 +254,35 @@ def _final_text(result: Any, opts: dict[str, Any], pieces: list[str]) -> str:
     return opts["text_joiner"].join(pieces)
 
 
+def include_usage(options: Any, stream: bool) -> bool:
+    """``stream_options.include_usage`` of a request; ``stream_options`` go with ``stream: true``."""
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+    return options.get("include_usage", False)
+
+
+FINISH_REASONS = ("stop", "length")
+
+
+def usage_of(result: Any, opts: dict[str, Any], stage: str) -> tuple[dict[str, int] | None, str]:
+    """``(usage, finish_reason)`` from ``stage``'s part of the result (the result itself with one
+    terminal stage): usage None unless both counts are non-negative ints; finish_reason
+    ``"stop"`` unless the result says ``"length"``."""
+    part = result.get(stage, result) if isinstance(result, Mapping) else result
+    if not isinstance(part, Mapping):
+        return None, "stop"
+    finish = part.get(opts["finish_reason_field"])
+    finish = finish if finish in FINISH_REASONS else "stop"
+    counts = (part.get(opts["prompt_tokens_field"]), part.get(opts["completion_tokens_field"]))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return None, finish
+    return {"prompt_tokens": counts[0], "completion_tokens": counts[1], "total_tokens": sum(counts)}, finish
+
+
 def make_routes(api: Any) -> list[Any]:
     """The API factory registered as ``openai``."""
     from starlette.responses import JSONResponse
@@ -320,6 +361,7 @@ def make_routes(api: Any) -> list[Any]:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the body is not valid JSON: {exc}") from None
             req = parse_request(body, model, opts)
+            req["include_usage"] = include_usage(body.get("stream_options"), req["stream"])
         except BadRequest as exc:
             return error(exc.status, exc.message, param=exc.param, code=exc.code)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -356,6 +398,7 @@ def make_routes(api: Any) -> list[Any]:
         finally:
             await events.aclose()
         text = _final_text(result, opts, pieces)
+        usage, finish_reason = usage_of(result, opts, opts["text_stage"])
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if req["audio"]:
             rate = rates[0] if rates else opts["sample_rate"]
@@ -381,29 +424,27 @@ def make_routes(api: Any) -> list[Any]:
                 "created": int(time.time()),
                 "model": model,
                 "choices": [
-                    {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+                    {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
                 ],
-                "usage": {
-                    "prompt_tokens": 0,
-                    "completion_tokens": len(pieces),
-                    "total_tokens": len(pieces),
-                },
+                "usage": usage,
             }
         )
 
     async def _streamed(request, rid, req, events):
         now = int(time.time())
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-            data = {
+        def chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+            data: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": now,
                 "model": model,
-                "choices": [
+                "choices": [] if delta is None else [
                     {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 ],
             }
+            if req["include_usage"]:
+                data["usage"] = usage
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
         # The first event (or the error that prevents it) before the response starts, so
@@ -453,7 +494,10 @@ def make_routes(api: Any) -> list[Any]:
                         event = await events.__anext__()
                     except StopAsyncIteration:
                         event = None
-                yield chunk({}, "stop")
+                usage, finish_reason = usage_of(event.data if event is not None else None, opts, opts["text_stage"])
+                yield chunk({}, finish_reason)
+                if req["include_usage"]:
+                    yield chunk(None, usage=usage)
             except Exception as exc:
                 _, err, _ = from_exception(exc)
                 yield f"data: {json.dumps({'error': err})}\n\n".encode()

@@ -81,6 +81,12 @@ OPENAI_OPTIONS: dict[str, Option] = {
     "prompt_key": Option("str", "text", "the prompt goes to inputs[prompt_key]"),
     "max_tokens_key": Option("str", None, "max_tokens / max_completion_tokens go to inputs[max_tokens_key] "
                              "(null: ignored)", nullable=True),
+    "prompt_tokens_field": Option("str", "prompt_tokens", "result[text_stage][prompt_tokens_field]: the prompt's "
+                                  "tokens as the model saw them (usage.prompt_tokens)"),
+    "completion_tokens_field": Option("str", "completion_tokens", "result[text_stage][completion_tokens_field]: "
+                                      "the generated tokens (usage.completion_tokens)"),
+    "finish_reason_field": Option("str", "finish_reason", "result[text_stage][finish_reason_field]: 'stop', or "
+                                  "'length' when max_tokens cut the answer"),
     "inputs": Option("mapping", {}, "merged into every request's inputs"),
     "text_inputs": Option("mapping", {}, "merged when the client asked for text only"),
     "audio_inputs": Option("mapping", {}, "merged when the client asked for audio too"),

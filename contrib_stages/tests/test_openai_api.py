@@ -65,7 +65,7 @@ def test_a_text_completion(client):
     )
     message = done.choices[0].message
     assert done.object == "chat.completion" and done.model == "demo"
-    assert message.role == "assistant" and done.choices[0].finish_reason == "stop"
+    assert message.role == "assistant" and done.choices[0].finish_reason == "length"  # 5 of a 13-word sentence
     assert len(message.content.rstrip(".").split()) == 5 and message.audio is None
 
 
@@ -111,7 +111,7 @@ def test_a_streamed_completion_with_pcm16_audio(client):
             finish.append(chunk.choices[0].finish_reason)
     assert len("".join(text).split()) == 4 and "".join(transcript) == "".join(text)
     assert len(pcm) == 2 * samples_for(4)
-    assert finish == ["stop"]
+    assert finish == ["length"]  # max_tokens cut the sentence
 
 
 def test_a_streamed_text_completion_over_plain_http_ends_with_done(server):
@@ -226,3 +226,62 @@ def test_omni_validate_checks_the_adapter_options_against_the_schema_the_api_reg
     assert "voice_key" not in out and "Traceback" not in out
     with pytest.raises(ValueError, match="serve.options.openai.sample_rate"):
         adapter_options({"sample_rate": "24000"}, load_config("demo"))
+
+
+# -- usage and finish_reason: the pipeline's own numbers -----------------------------------------------
+
+
+def demo_prompt_tokens(client, content: str) -> int:
+    return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": content}],
+                                          max_tokens=1).usage.prompt_tokens
+
+
+def test_usage_counts_the_prompt_as_the_model_saw_it_and_the_generated_tokens(client):
+    done = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hello omni"}])
+    words = done.choices[0].message.content.rstrip(".").split()
+    # No max_tokens: the demo writes its one 13-word sentence and stops.
+    assert done.choices[0].finish_reason == "stop" and len(words) == 13
+    usage = done.usage
+    assert usage.completion_tokens == 13 and usage.total_tokens == usage.prompt_tokens + 13
+    # The thinker reads the encoders' prefix rows plus the prompt's bytes: 7 more bytes, 7 more tokens.
+    assert usage.prompt_tokens > len(b"hello omni")
+    assert demo_prompt_tokens(client, "hello omni, again") == usage.prompt_tokens + 7
+    cut = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hello omni"}],
+                                         max_tokens=20)
+    assert cut.choices[0].finish_reason == "length"  # 13 + 7 of the second sentence
+    assert (cut.usage.prompt_tokens, cut.usage.completion_tokens) == (usage.prompt_tokens, 20)
+
+
+def test_a_stream_ends_with_its_finish_reason_then_the_usage_chunk_when_asked(client, server):
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hello omni"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"})
+    chunks = list(stream)
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 4
+    assert last.usage.prompt_tokens == demo_prompt_tokens(client, "hello omni")
+    assert all(c.usage is None for c in body)
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
+    assert body[-1].choices[0].finish_reason == "length"
+    # Without stream_options: no usage member at all (the SDK reads it as None), no usage chunk.
+    plain = {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=plain, timeout=60) as r:
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" not in c for c in data) and data[-1]["choices"][0]["finish_reason"] == "stop"
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                     json={**plain, "stream": False, "stream_options": {"include_usage": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options"
+
+
+def test_the_usage_fields_are_adapter_options():
+    from omni_contrib_stages.openai_api import usage_of
+
+    opts = adapter_options({"prompt_tokens_field": "n_in", "completion_tokens_field": "n_out",
+                            "finish_reason_field": "why"}, load_config("demo"))
+    result = {"thinker": {"n_in": 7, "n_out": 3, "why": "length"}, "vocoder": {}}
+    assert usage_of(result, opts, "thinker") == ({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+                                                 "length")
+    # No counts (or not counts): usage null rather than made-up numbers; finish_reason stop.
+    assert usage_of({"thinker": {"text": "x"}}, opts, "thinker") == (None, "stop")
+    assert usage_of({"thinker": {"n_in": -1, "n_out": True}}, opts, "thinker") == (None, "stop")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .models import VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_pcm16
+from .models import PATTERN, VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_pcm16
 
 #: The sample rate of the input audio the preprocess stage makes or accepts.
 INPUT_SAMPLE_RATE = 16000
@@ -168,7 +168,13 @@ class Thinker:
     """Writes ``max_tokens`` words, emitting each one as it is chosen::
 
         chunk:  {"index": i, "token_id": id, "text": word}
-        result: {"text": "the quiet river ... .", "token_ids": [...]}
+        result: {"text": "the quiet river ... .", "token_ids": [...],
+                 "prompt_tokens": n, "completion_tokens": m, "finish_reason": "stop" | "length"}
+
+    ``prompt_tokens`` counts what the model read: the encoders' prefix rows plus the prompt's
+    bytes; ``completion_tokens`` the words written. A sentence is 13 words (the grammar's
+    pattern): an answer that ends on a whole sentence ends with ``stop``, one that ``max_tokens``
+    cut in the middle of a sentence with ``length``.
 
     A plain (sync) stage: it runs in a worker thread and streams with ``ctx.emit_threadsafe``.
     ``token_delay`` adds that many seconds per token, as a larger model would take, so the
@@ -194,7 +200,9 @@ class Thinker:
                 ids.append(token)
                 words.append(VOCAB[token])
                 ctx.emit_threadsafe({"index": index, "token_id": token, "text": VOCAB[token]})
-        return {"text": " ".join(words) + ".", "token_ids": ids}
+        return {"text": " ".join(words) + ".", "token_ids": ids,
+                "prompt_tokens": int(embeds.shape[0]) + len(payload["text_ids"]), "completion_tokens": len(ids),
+                "finish_reason": "stop" if ids and len(ids) % len(PATTERN) == 0 else "length"}
 
 
 # -- talker ---------------------------------------------------------------------------------------
