@@ -2,8 +2,9 @@
 
 Core routes (``/health``, ``/ready``, ``/metrics``, ``/v1/plugins``, ``/v1/pipelines``,
 ``POST /v1/pipelines/{name}/requests`` as JSON or SSE), APIs mounted from plugins
-(``omni_register_apis``), Prometheus metrics over every stage process, graceful drain on SIGTERM.
-See docs/serving.md.
+(``omni_register_apis``), Prometheus metrics over every stage process, graceful drain on SIGTERM,
+and the console at ``GET /`` (:mod:`.console`: the graph, live state, a playground; ``--no-console``
+turns it off). See docs/serving.md.
 
 An API plugin's factory receives an :class:`ApiContext` and returns Starlette routes::
 

@@ -40,6 +40,8 @@ from typing import Any
 from .. import metrics
 from ..encoding import to_jsonable
 from .app import (
+    ApiContext,
+    ClientGone,
     EventStream,
     ServeState,
     _request_fields,
@@ -47,6 +49,7 @@ from .app import (
     read_json,
     sse,
     stream_body,
+    until_disconnect,
 )
 from .errors import HTTPError, error_response
 
@@ -248,8 +251,6 @@ def routes(state: ServeState) -> list[Any]:
     """The console's routes for ``state``'s server."""
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
-
-    from .app import ApiContext, ClientGone, until_disconnect
 
     api = ApiContext("console", state.pipeline, state.settings, {}, state)
     headers = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}

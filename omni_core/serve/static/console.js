@@ -255,15 +255,20 @@ function renderRecent(recent) {
   for (const r of recent) {
     const tr = el("tr", { "data-testid": "recent-row" });
     tr.appendChild(el("td", {}, r.id || "–"));
-    const status = el("td", {}, r.error && r.error.stage ? `${r.status} (${r.error.stage})` : r.status);
+    const status = el("td", { "data-testid": "recent-status" }, r.error && r.error.stage ? `${r.status} (${r.error.stage})` : r.status);
     setState(status, r.status);
     tr.appendChild(status);
     tr.appendChild(el("td", {}, seconds(r.seconds)));
     const cell = el("td");
     const bar = el("div", { class: "timeline", "data-testid": "timeline" });
     const span = Math.max(r.seconds, ...r.stages.map((c) => c.start + c.seconds), 1e-6);
+    // one lane per stage, in the pipeline's order: calls that overlap in time stay visible
+    const order = topology ? topology.stages : [];
+    const lanes = [...new Set(r.stages.map((c) => c.stage))].sort((a, b) => order.indexOf(a) - order.indexOf(b));
+    bar.style.height = `${Math.max(1, lanes.length) * 5 + 2}px`;
     for (const c of r.stages) {
       const seg = el("div", { class: `seg status-${c.status}`, title: `${c.stage}: ${seconds(c.seconds)} from +${seconds(c.start)} (${c.status})` });
+      seg.style.top = `${1 + 5 * lanes.indexOf(c.stage)}px`;
       seg.style.left = `${(100 * c.start / span).toFixed(2)}%`;
       seg.style.width = `${(100 * c.seconds / span).toFixed(2)}%`;
       seg.style.background = stageColor[c.stage] || "#888";
