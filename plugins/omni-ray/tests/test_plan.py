@@ -110,12 +110,14 @@ def test_omni_plan_with_launcher_ray_and_a_cluster_shows_nodes_and_crossing_edge
     assert out.exit_code == 0, out.output
     assert "crosses nodes" in out.output
     lines = [line.split() for line in out.output.splitlines()]
-    assert ["a", "b", "next", "inline", "yes"] in lines
-    assert ["b", "c", "next", "shm", "no"] in lines
+    inline_cost = get_registry().get("relay", "inline").capabilities.ms_per_mib
+    assert ["a", "b", "next", "inline", "yes", f"{inline_cost:g}", "ms"] in lines  # the bench's cost per MiB
+    assert ["b", "c", "next", "shm", "no", "-"] in lines
     assert ["b", "a"] in lines and ["c", "a"] in lines
     data = json.loads(runner.invoke(app, ["plan", str(tmp_path / "p.yaml"), "--launcher", "ray", "--json",
                                           "--cluster", str(tmp_path / "cluster.yaml")]).output)
     assert data["nodes"] == {"coordinator": "head", "a": "head", "b": "a", "c": "a"}
-    assert data["crossing_edges"] == [{"src": "a", "dst": "b", "kind": "next", "relay": "inline"}]
+    assert data["crossing_edges"] == [{"src": "a", "dst": "b", "kind": "next", "relay": "inline",
+                                       "ms_per_mib": inline_cost}]
     bad = runner.invoke(app, ["plan", str(tmp_path / "p.yaml"), "--cluster", str(tmp_path / "cluster.yaml")])
     assert bad.exit_code != 0 and "--cluster needs a launcher" in bad.output

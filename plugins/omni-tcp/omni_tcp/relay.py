@@ -281,7 +281,7 @@ class TcpRelay(Relay):
             if tgt is None:
                 tgt = self._targets[name] = _Target(name, self.credits, self.chunk)
             link = wire.ServerLink(conn, cipher, tgt.outbox)
-            self._server_links = [x for x in self._server_links if not x.closed] + [link]
+            self._server_links = [x for x in self._server_links if x.reader.ident is None or x.reader.is_alive()] + [link]
         link.start()
         tgt.outbox.attach(link)
 
