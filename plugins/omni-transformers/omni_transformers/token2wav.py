@@ -141,28 +141,6 @@ class Token2Wav:
             size = min(self.max_chunk_codes, self._aligned(int(size * self.chunk_growth)))
         return sizes
 
-    def _write_wav(self, path: str, audio: torch.Tensor) -> str:
-        """16-bit mono PCM, written next to ``path`` then renamed (concurrent writers never mix)."""
-        import os
-        import tempfile
-        import wave
-
-        target = Path(path).expanduser().resolve()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh, wave.open(fh, "wb") as out:
-                out.setnchannels(1)
-                out.setsampwidth(2)
-                out.setframerate(self.sample_rate)
-                out.writeframes(pcm)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return str(target)
-
     # -- model steps (worker threads) ---------------------------------------------------
     def _mel(self, codes: list[int], noise: torch.Tensor, speaker: dict) -> torch.Tensor:
         """Qwen2_5OmniToken2WavDiTModel.sample on ``codes`` from the initial ``noise`` [1, frames, mel]:
@@ -215,11 +193,22 @@ class Token2Wav:
         received = _Received(ctx, self.source)
         reader = asyncio.create_task(received.read())  # text goes on to the caller before the payload is here
         chunks: list[torch.Tensor] = []
+        wav: WavWriter | None = None
+
+        async def emit(audio: torch.Tensor) -> None:
+            chunks.append(audio)
+            if wav is not None:
+                await asyncio.to_thread(wav.write, audio)
+            await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
+
         try:
             if payload is PENDING:  # started on the talker's first chunk (can_accept_stream_before_payload)
                 payload = await ctx.payload()
             speaker = speaker_params(self.speakers, payload.get("speaker", DEFAULT_SPEAKER))
             generator = make_generator(request_seed(payload), self.device)
+            wav_path = payload.get("wav_path", self.wav_path)
+            if wav_path:
+                wav = WavWriter(str(wav_path), self.sample_rate)
             if self.stream:
                 synthesis = ChunkedSynthesis(self, speaker, generator)
                 while True:
@@ -227,33 +216,34 @@ class Token2Wav:
                     if synthesis.ready(len(received.codes), received.finished):
                         codes, final = list(received.codes), received.finished
                         audio = await asyncio.to_thread(synthesis.next_chunk, codes, final)
-                        chunks.append(audio)
-                        await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
+                        if audio.numel():
+                            await emit(audio)
                     elif received.finished:
                         break
             await reader
             if not self.stream:
                 if received.rng_state is not None:  # continue the talker's RNG, as generate's global one
                     generator.set_state(received.rng_state)
-                audio = (await asyncio.to_thread(self._synthesize, received.codes, speaker, generator)
-                         if received.codes else torch.zeros(0))  # generate fails on an empty code sequence
-                chunks.append(audio)
-                await ctx.emit({"audio": audio, "sample_rate": self.sample_rate})
+                await emit(await asyncio.to_thread(self._synthesize, received.codes, speaker, generator)
+                           if received.codes else torch.zeros(0))  # generate fails on an empty code sequence
+            if not chunks:  # the talker ended at once
+                await emit(torch.zeros(0))
+            if wav is not None:
+                wav_path = await asyncio.to_thread(wav.close)
+                wav = None
         finally:
             if not reader.done():
                 reader.cancel()
-        if not chunks:  # the talker ended at once
-            chunks.append(torch.zeros(0))
-            await ctx.emit({"audio": chunks[0], "sample_rate": self.sample_rate})
+            if wav is not None:
+                wav.abort()
         audio = torch.cat(chunks)
         result = {"text": "".join(received.text), "token_ids": received.token_ids, "codes": received.codes,
                   "audio": audio, "sample_rate": self.sample_rate}
         for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
             if key in received.extra:
                 result[key] = received.extra[key]
-        wav_path = payload.get("wav_path", self.wav_path)
         if wav_path:
-            result["wav_path"] = await asyncio.to_thread(self._write_wav, str(wav_path), audio)
+            result["wav_path"] = wav_path
         return result
 
 
@@ -378,3 +368,60 @@ class ChunkedSynthesis:
         self.size = min(stage.max_chunk_codes, stage._aligned(int(self.size * stage.chunk_growth)))
         self.finished = final and not scheduled
         return audio.contiguous()
+
+
+class WavWriter:
+    """A 16-bit mono WAV written chunk by chunk: the first chunk goes to a new file beside
+    ``path`` that is then renamed onto ``path``, and every later chunk is appended to it with the
+    header brought up to date, so ``path`` is a whole WAV of the audio so far at every moment (a
+    player can open it while the request runs). Concurrent requests naming one path never mix:
+    each writes its own file, the last rename wins."""
+
+    def __init__(self, path: str, sample_rate: int):
+        self.target = Path(path).expanduser().resolve()
+        self.sample_rate = sample_rate
+        self._file = self._wave = None
+        self._tmp: str | None = None
+
+    def write(self, audio: torch.Tensor) -> None:
+        import os
+        import tempfile
+        import wave
+
+        pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
+        if self._wave is None:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            fd, self._tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", dir=self.target.parent)
+            self._file = os.fdopen(fd, "wb")  # noqa: SIM115 - open across chunks, closed in close()
+            self._wave = wave.open(self._file, "wb")  # noqa: SIM115
+            self._wave.setnchannels(1)
+            self._wave.setsampwidth(2)
+            self._wave.setframerate(self.sample_rate)
+            self._wave.writeframes(pcm)  # the header is patched on every write with new frames
+            self._file.flush()
+            os.replace(self._tmp, self.target)
+            self._tmp = None
+        else:
+            self._wave.writeframes(pcm)
+            self._file.flush()
+
+    def close(self) -> str:
+        """Finish the file (an empty WAV if no chunk came) and return its path."""
+        if self._wave is None:
+            self.write(torch.zeros(0))
+        self._wave.close()
+        self._file.close()
+        self._wave = None
+        return str(self.target)
+
+    def abort(self) -> None:
+        """Close without finishing: the temporary file of a request that failed before its first
+        chunk is removed."""
+        for thing in (self._wave, self._file):
+            try:
+                if thing is not None:
+                    thing.close()
+            except Exception:  # noqa: BLE001 - best effort on a failed request
+                pass
+        if self._tmp is not None:
+            Path(self._tmp).unlink(missing_ok=True)

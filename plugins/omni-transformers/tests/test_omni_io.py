@@ -279,3 +279,27 @@ def test_token2wav_emits_audio_before_the_last_code_arrives(token2wav):
     unchunked = token2wav._synthesize(codes, speaker_params(token2wav.speakers, "Chelsie"), make_generator(3))
     rel, corr = stream_error(result["audio"], unchunked)
     assert rel <= STREAM_MAX_RELATIVE_ERROR and corr >= STREAM_MIN_CORRELATION
+
+
+def test_the_wav_file_holds_the_audio_so_far_after_every_chunk(tmp_path):
+    import wave
+
+    from omni_transformers.token2wav import WavWriter
+
+    target = tmp_path / "out" / "speech.wav"
+    writer = WavWriter(str(target), 24000)
+    total = []
+    for n in (480, 960, 7):
+        chunk = torch.linspace(-0.5, 0.5, n)
+        writer.write(chunk)
+        total.append(chunk)
+        with wave.open(str(target)) as w:  # readable while the request runs
+            assert w.getframerate() == 24000 and w.getnframes() == sum(len(c) for c in total)
+    assert writer.close() == str(target)
+    with wave.open(str(target)) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+    assert np.array_equal(pcm, (torch.cat(total) * 32767).round().to(torch.int16).numpy())
+    assert sorted(p.name for p in target.parent.iterdir()) == ["speech.wav"]  # no temporary file left
+    failed = WavWriter(str(tmp_path / "never.wav"), 24000)
+    failed.abort()
+    assert not (tmp_path / "never.wav").exists()
