@@ -17,6 +17,7 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           text_inputs: {speak: false} # ... when the client asked for text only
           audio_inputs: {stream_audio: true}   # ... when it asked for audio too
           text_stage: thinker         # whose chunks carry text (default: the first terminal stage)
+          text_only_stage: null       # ... when the client asked for text only (null: text_stage)
           text_field: text            # chunk[text_field] is one piece of text
           text_joiner: " "            # put between two pieces
           result_text_field: text     # result[text_stage][result_text_field]: the whole text
@@ -89,7 +90,7 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     terminals = list(pipeline_config.terminal_stages)
     if opts["text_stage"] is None:
         opts["text_stage"] = terminals[0]
-    for key in ("text_stage", "audio_stage"):
+    for key in ("text_stage", "text_only_stage", "audio_stage"):
         if opts[key] is not None and opts[key] not in pipeline_config.stage_names:
             raise ValueError(
                 f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
@@ -193,7 +194,8 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
             raise BadRequest("max_tokens must be a positive integer", "max_tokens")
         if opts["max_tokens_key"] is not None:
             inputs[opts["max_tokens_key"]] = limit
-    return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt}
+    text_stage = opts["text_stage"] if want_audio else opts.get("text_only_stage") or opts["text_stage"]
+    return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt, "text_stage": text_stage}
 
 
 def pcm16(audio: Any) -> bytes | None:
@@ -247,8 +249,8 @@ def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
-def _final_text(result: Any, opts: dict[str, Any], pieces: list[str]) -> str:
-    part = result.get(opts["text_stage"], result) if isinstance(result, Mapping) else result
+def _final_text(result: Any, opts: dict[str, Any], pieces: list[str], stage: str) -> str:
+    part = result.get(stage, result) if isinstance(result, Mapping) else result
     if isinstance(part, Mapping) and isinstance(part.get(opts["result_text_field"]), str):
         return part[opts["result_text_field"]]
     return opts["text_joiner"].join(pieces)
@@ -377,7 +379,7 @@ def make_routes(api: Any) -> list[Any]:
             async for event in events:
                 if event.is_result:
                     return event.data
-                if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
+                if event.stage == req["text_stage"] and (piece := text_of(event.data)):
                     pieces.append(piece)
                 elif (
                     req["audio"]
@@ -397,8 +399,8 @@ def make_routes(api: Any) -> list[Any]:
             return JSONResponse({"error": body}, status_code=status, headers=headers)
         finally:
             await events.aclose()
-        text = _final_text(result, opts, pieces)
-        usage, finish_reason = usage_of(result, opts, opts["text_stage"])
+        text = _final_text(result, opts, pieces, req["text_stage"])
+        usage, finish_reason = usage_of(result, opts, req["text_stage"])
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if req["audio"]:
             rate = rates[0] if rates else opts["sample_rate"]
@@ -468,7 +470,7 @@ def make_routes(api: Any) -> list[Any]:
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while event is not None and not event.is_result:
-                    if event.stage == opts["text_stage"] and (piece := text_of(event.data)):
+                    if event.stage == req["text_stage"] and (piece := text_of(event.data)):
                         text = piece if pieces == 0 else opts["text_joiner"] + piece
                         pieces += 1
                         delta: dict[str, Any] = {"content": text}
@@ -494,7 +496,7 @@ def make_routes(api: Any) -> list[Any]:
                         event = await events.__anext__()
                     except StopAsyncIteration:
                         event = None
-                usage, finish_reason = usage_of(event.data if event is not None else None, opts, opts["text_stage"])
+                usage, finish_reason = usage_of(event.data if event is not None else None, opts, req["text_stage"])
                 yield chunk({}, finish_reason)
                 if req["include_usage"]:
                     yield chunk(None, usage=usage)

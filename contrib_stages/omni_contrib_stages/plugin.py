@@ -92,6 +92,8 @@ OPENAI_OPTIONS: dict[str, Option] = {
     "audio_inputs": Option("mapping", {}, "merged when the client asked for audio too"),
     "text_stage": Option("str", None, "the stage whose chunks carry text (null: the first terminal stage)",
                          nullable=True),
+    "text_only_stage": Option("str", None, "the stage whose chunks carry text when the client asked for text only "
+                              "(null: text_stage)", nullable=True),
     "text_field": Option("str", "text", "chunk[text_field] is one piece of text"),
     "text_joiner": Option("str", " ", "put between two pieces of text"),
     "result_text_field": Option("str", "text", "result[text_stage][result_text_field] is the whole text"),

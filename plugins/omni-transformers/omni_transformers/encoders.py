@@ -60,6 +60,14 @@ def _tensor(value: Any, what: str) -> torch.Tensor:
     return value
 
 
+def _carry_route(payload: dict, out: dict) -> dict:
+    """The encoders' result carries the request's ``return_audio`` on: their route function sends
+    a text-only request's embeddings to the text-only thinker."""
+    if "return_audio" in payload:
+        out["return_audio"] = payload["return_audio"]
+    return out
+
+
 class _Encoder:
     kind = ""
 
@@ -108,7 +116,8 @@ class AudioEncoder(_Encoder):
             f = _tensor(f, f"audio_features[{i}]")
             if f.dim() != 2 or f.shape[0] != mel or f.shape[1] != n:
                 raise ValueError(f"audio_features[{i}] must be [{mel}, {n}], got {list(f.shape)}")
-        return {"audio_embeds": await self.batcher.submit((feats, [int(n) for n in lens]))}
+        out = {"audio_embeds": await self.batcher.submit((feats, [int(n) for n in lens]))}
+        return _carry_route(payload, out)
 
 
 class VisionEncoder(_Encoder):
@@ -135,4 +144,5 @@ class VisionEncoder(_Encoder):
         if pixels.dim() != 2 or pixels.shape[0] != patches:
             raise ValueError(f"pixel_values must be [{patches}, patch size] for image_grid_thw {grid}, "
                              f"got {list(pixels.shape)}")
-        return {"image_embeds": await self.batcher.submit((pixels, grid))}
+        out = {"image_embeds": await self.batcher.submit((pixels, grid))}
+        return _carry_route(payload, out)

@@ -18,10 +18,15 @@ AUDIO_ENCODER, VISION_ENCODER, PROCESSOR = "audio_encoder", "vision_encoder", "p
 _AUDIO_KEYS, _IMAGE_KEYS = ("audio_features",), ("pixel_values",)
 
 
+# The stage answering text-only requests (``return_audio: false``): a thinker without speech.
+TEXT = "text"
+
+
 def route_inputs(request_id, payload):
-    """Route function of the processor: thinker, talker and token2wav, plus the audio encoder when
+    """Route function of the processor: thinker, talker and token2wav (a text-only request,
+    ``return_audio: false``: the text-only thinker ``text`` alone), plus the audio encoder when
     the request has audio and the vision encoder when it has images."""
-    targets = ["thinker", "talker", "token2wav"]
+    targets = [TEXT] if payload.get("return_audio") is False else ["thinker", "talker", "token2wav"]
     if payload.get("audio_features"):
         targets.append(AUDIO_ENCODER)
     if payload.get("pixel_values") is not None:
@@ -53,13 +58,28 @@ def speech_inputs(payload):
 
 
 def audio_inputs(payload):
-    """Projection: what the audio encoder reads."""
-    return {"audio_features": payload["audio_features"], "audio_seqlens": payload["audio_seqlens"]}
+    """Projection: what the audio encoder reads (and ``return_audio``, which its result carries on)."""
+    return {"audio_features": payload["audio_features"], "audio_seqlens": payload["audio_seqlens"],
+            "return_audio": payload.get("return_audio", True)}
 
 
 def image_inputs(payload):
-    """Projection: what the vision encoder reads."""
-    return {"pixel_values": payload["pixel_values"], "image_grid_thw": payload["image_grid_thw"]}
+    """Projection: what the vision encoder reads (and ``return_audio``, which its result carries on)."""
+    return {"pixel_values": payload["pixel_values"], "image_grid_thw": payload["image_grid_thw"],
+            "return_audio": payload.get("return_audio", True)}
+
+
+def route_encoded(request_id, payload):
+    """Route function of the encoders: to the thinker, or to ``text`` for a text-only request."""
+    return [TEXT] if payload.get("return_audio") is False else ["thinker"]
+
+
+def terminal_stages(inputs):
+    """terminal_stages function: ``text`` answers a request with ``return_audio: false``, token2wav
+    any other (a bad value is the processor's error)."""
+    if isinstance(inputs, dict) and inputs.get("return_audio") is False:
+        return [TEXT]
+    return ["token2wav"]
 
 
 @omni_core.hookimpl
@@ -82,6 +102,9 @@ def omni_register_stages(register):
 @omni_core.hookimpl
 def omni_register_functions(register):
     register(f"{PREFIX}.no_payload", no_payload, kind="route", description=no_payload.__doc__)
+    register(f"{PREFIX}.route_encoded", route_encoded, kind="route", description=route_encoded.__doc__)
+    register(f"{PREFIX}.terminal_stages", terminal_stages, kind="terminal_stages",
+             description=terminal_stages.__doc__)
     register(f"{PREFIX}.route_inputs", route_inputs, kind="route", description=route_inputs.__doc__)
     register(f"{PREFIX}.wait_for_encoders", wait_for_encoders, kind="wait_for", description=wait_for_encoders.__doc__)
     for fn in (text_inputs, speech_inputs, audio_inputs, image_inputs):

@@ -53,6 +53,14 @@ def load_chat_template(path: Path, tokenizer) -> str | None:
     return tokenizer.chat_template
 
 
+def wants_audio(inputs: Any) -> bool:
+    """The request's ``return_audio`` (default true; false: text only, no talker or token2wav)."""
+    value = inputs.get("return_audio", True) if isinstance(inputs, dict) else True
+    if not isinstance(value, bool):
+        raise ValueError(f"return_audio must be true or false, got {value!r}")
+    return value
+
+
 class Processor:
     """Inputs → model inputs, as ``Qwen2_5OmniProcessor`` prepares them.
 
@@ -228,4 +236,5 @@ class Processor:
             out["talker_do_sample"] = bool(payload["talker_do_sample"])
         if "wav_path" in payload:
             out["wav_path"] = payload["wav_path"]
+        out["return_audio"] = wants_audio(payload)
         return out

@@ -1,30 +1,69 @@
-"""The talker stage: codec codes from the thinker's live stream."""
+"""The talker stage: codec codes from the thinker's live stream, every live request of the
+process in one forward per step."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import torch
+from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
+from .batched import RowKV, RowsCache, crop_to, use_row_attention
 from .common import USAGE_KEYS, request_seed
 from .models import Sampler, load_part, make_generator, resolve_model_path
 
 
+class TalkerRow:
+    """One request in the talker's decode loop: its prefix, cache, sampler and codes."""
+
+    __slots__ = ("prefix", "cache", "kv", "sampler", "ids", "last", "generated", "max_new", "eos", "stream",
+                 "text_eos", "text_pad", "seed")
+
+    def __init__(self, prefix: torch.Tensor, ids: list[int], sampler: Sampler, max_new: int, eos: set[int],
+                 stream: _ThinkerStream, text_eos: torch.Tensor, text_pad: torch.Tensor, seed: int):
+        self.prefix = prefix  # [L + 2, E]: the thinker's prompt, the speaker's text bos, reply 0
+        self.cache = None
+        self.kv: RowKV | None = None
+        self.sampler = sampler
+        self.ids = ids  # what the repetition penalty reads: the prefix's codec ids, then the codes
+        self.last = -1
+        self.generated = 0
+        self.max_new = max_new
+        self.eos = eos
+        self.stream = stream
+        self.text_eos, self.text_pad = text_eos, text_pad
+        self.seed = seed
+
+    @property
+    def reserved(self) -> int:
+        return self.prefix.shape[0] + self.max_new
+
+
 class Talker:
-    """Codec codes from the thinker's stream, consumed while the thinker generates.
+    """Codec codes from the thinker's stream, consumed while the thinker generates; the rows of
+    every live request advance together, one forward per step. A row advances when the thinker's
+    input for its step has arrived (or the thinker's reply ended: its text end, then padding); a
+    row whose input is late skips the step without holding the others.
 
     Defaults are ``generate``'s talker settings (sampling with top_k 40, top_p 0.8, temperature
     0.9, repetition penalty 1.05; stop at codec pad or end); ``do_sample: false`` is greedy.
+    ``max_batch_size``, ``kv_cache_tokens`` (reserved per request: prompt + 2 + most codes) and
+    ``max_prefill_tokens`` bound the batch as for the thinker.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_new_tokens: int = 4096, do_sample: bool = True, top_k: int = 40, top_p: float = 0.8,
                  temperature: float = 0.9, repetition_penalty: float = 1.05,
-                 eos_token_id: list[int] | None = None, codes_per_chunk: int = 16, source: str = "thinker"):
+                 eos_token_id: list[int] | None = None, codes_per_chunk: int = 16, source: str = "thinker",
+                 max_batch_size: int = 64, kv_cache_tokens: int | None = 524288,
+                 max_prefill_tokens: int | None = 512):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model = load_part(self.path, "talker", dtype=dtype, device=device)
         m = self.model
+        use_row_attention(m, m.config)
         self.codec_bos, self.codec_pad, self.codec_mask = m.codec_bos_token, m.codec_pad_token, m.codec_mask_token
         # generate's default talker_eos_token_id is [8292, 8294]: the codec pad and end ids.
         self.eos = set(eos_token_id if eos_token_id is not None else [m.codec_pad_token, m.codec_eos_token])
@@ -34,21 +73,91 @@ class Talker:
         self.codes_per_chunk = max(1, int(codes_per_chunk))
         self.source = source
         self.codec_embed = m.get_input_embeddings()
+        self.loop = DecodeLoop(self.step, max_batch_size=max_batch_size, memory_budget=kv_cache_tokens,
+                               max_prefill_tokens=max_prefill_tokens, name="talker")
+        #: seconds spent in step calls (per-step latency = busy / loop.stats.steps)
+        self.busy = 0.0
 
-    def _new_cache(self):
+    # -- the step (worker thread) --------------------------------------------------------------
+    def step(self, rows) -> list[Any]:
+        t0 = time.perf_counter()
+        try:
+            return self._step(rows)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def _step(self, rows) -> list[Any]:
+        results: list[Any] = [NO_OUTPUT] * len(rows)
+        scores: list[tuple[int, torch.Tensor]] = []
+        with torch.inference_mode():
+            decoding = [i for i, row in enumerate(rows) if row.prefill is None]
+            if decoding:  # the only part that may raise; a retry writes the same cache slots again
+                logits = self.decode([rows[i] for i in decoding])
+                scores += [(i, logits[j:j + 1]) for j, i in enumerate(decoding)]
+            for i, row in enumerate(rows):
+                if row.prefill is not None:
+                    try:
+                        out = self.prefill(row.state, *row.prefill)
+                    except Exception as exc:
+                        results[i] = exc
+                        continue
+                    if out is not NO_OUTPUT:
+                        scores.append((i, out))
+            for i, lg in scores:
+                state = rows[i].state
+                try:
+                    code = state.sampler(torch.tensor([state.ids], device=self.device), lg)
+                except Exception as exc:
+                    results[i] = exc
+                    continue
+                state.generated += 1
+                state.ids.append(code)
+                if code in state.eos:
+                    rows[i].finish()
+                    results[i] = None
+                    continue
+                state.last = code
+                if state.generated >= state.max_new:
+                    rows[i].finish()
+                results[i] = code
+        return results
+
+    def _reply(self, row) -> torch.Tensor:
+        """The thinker input of this decode step: the fed reply, or past the reply's end its
+        text end (first) then padding."""
+        if row.input is not None:
+            return row.input
+        step = row.decoded + 1  # decode step k reads the thinker's reply k (reply 0 is in the prefix)
+        return row.state.text_eos if step == row.state.stream.count else row.state.text_pad
+
+    def decode(self, rows) -> torch.Tensor:
+        """One forward for every decoding row: its last code + its thinker input, at its own position."""
+        states = [row.state for row in rows]
+        m = self.model
+        codes = torch.tensor([s.last for s in states], dtype=torch.long, device=self.device)
+        replies = torch.stack([self._reply(row).to(self.device) for row in rows])
+        embeds = (self.codec_embed(codes) + replies)[:, None, :]
+        pos = torch.tensor([s.kv.length for s in states], device=self.device).view(1, -1, 1).expand(3, -1, 1)
+        cache = RowsCache([s.kv for s in states])
+        # Qwen2_5OmniTalkerForConditionalGeneration.forward for inputs_embeds without a mask.
+        out = m.model(inputs_embeds=m.thinker_to_talker_proj(embeds), position_ids=pos, cache=cache,
+                      attention_mask={"full_attention": None}, use_cache=True, return_dict=True)
+        cache.advance()
+        return m.codec_head(out.last_hidden_state)[:, -1, :].float()
+
+    def prefill(self, state: TalkerRow, start: int, end: int):
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
-
-    def _forward(self, inputs_embeds: torch.Tensor, cache) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self.model(inputs_embeds=inputs_embeds.unsqueeze(0), cache=cache, use_cache=True, return_dict=True)
-            return out.logits[:, -1, :]
-
-    def _step_embeds(self, code: int, reply: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            ids = torch.tensor([code], dtype=torch.long, device=self.device)
-            return self.codec_embed(ids) + reply.to(self.device)[None]
+        if start == 0 or state.cache is None:
+            state.cache = DynamicCache(config=self.model.config)
+        crop_to(state.cache, start)
+        out = self.model(inputs_embeds=state.prefix[start:end][None], cache=state.cache, use_cache=True,
+                         return_dict=True)
+        if end < state.prefix.shape[0]:
+            return NO_OUTPUT
+        state.kv = RowKV(state.cache, state.reserved)
+        state.cache = None
+        return out.logits[:, -1, :]
 
     async def __call__(self, payload: dict, ctx) -> dict:
         seed = request_seed(payload)
@@ -69,33 +178,22 @@ class Talker:
             prefix = torch.cat([prompt.to(self.device), first["text_bos"].to(self.device)[None],
                                 reply0.to(self.device)[None]], dim=0)
             # Only the repetition penalty reads these ids (generate passes the embeddings).
-            sequence = torch.tensor([[self.codec_mask] * prompt.shape[0] + [self.codec_pad, self.codec_bos]],
-                                    dtype=torch.long, device=self.device)
-            cache = self._new_cache()
-            logits = await asyncio.to_thread(self._forward, prefix, cache)
+            ids = [self.codec_mask] * prompt.shape[0] + [self.codec_pad, self.codec_bos]
+            row = TalkerRow(prefix, ids, sampler, max_new, self.eos, stream, eos_e.to(self.device),
+                            pad_e.to(self.device), seed)
             codes: list[int] = []
             pending: list[int] = []
-            generated = 0
-            step = 1
-            while True:
-                code = sampler(sequence, logits)
-                generated += 1
-                sequence = torch.cat([sequence, sequence.new_tensor([[code]])], dim=1)
-                if code in self.eos:
-                    break
-                codes.append(code)
-                pending.append(code)
-                if len(pending) >= self.codes_per_chunk:
-                    await ctx.emit({"codes": pending})
-                    pending = []
-                if generated >= max_new:
-                    break
-                reply = await stream.reply(step)
-                if reply is None:  # past the thinker's reply: its text end, then padding
-                    reply = eos_e if step == stream.count else pad_e
-                embeds = await asyncio.to_thread(self._step_embeds, code, reply)
-                logits = await asyncio.to_thread(self._forward, embeds, cache)
-                step += 1
+            async with self.loop.join(row, prompt_tokens=prefix.shape[0], memory=row.reserved,
+                                      needs_input=True) as seq:
+                stream.attach(seq, self.device)
+                async for code in seq:
+                    if code is None:  # an end code
+                        break
+                    codes.append(code)
+                    pending.append(code)
+                    if len(pending) >= self.codes_per_chunk:
+                        await ctx.emit({"codes": pending})
+                        pending = []
             await reader  # the whole text reaches the caller before the last codes
             # The RNG state as bytes: a few bytes of msgpack, no relay transfer.
             await ctx.emit({"codes": pending, "final": True, "rng_state": generator.get_state().numpy().tobytes()})
@@ -103,6 +201,9 @@ class Talker:
         finally:
             if not reader.done():
                 reader.cancel()
+
+    async def close(self) -> None:
+        await self.loop.close()
 
 
 class _ThinkerStream:
@@ -116,6 +217,24 @@ class _ThinkerStream:
         self.ended = False
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
+        self.sink = None  # the talker row fed with replies 1, 2, ... once it joined the loop
+        self.device: torch.device | None = None
+
+    def attach(self, seq, device: torch.device) -> None:
+        """Feed ``seq`` the replies after the first (those already here, then each as it comes)
+        and close its inputs when the thinker's stream ends (or stop it if reading failed)."""
+        self.device = device
+        for reply in self.replies[1:]:
+            seq.feed(reply.to(device))
+        self.sink = seq
+        if self.ended:
+            self._end_sink()
+
+    def _end_sink(self) -> None:
+        if self.error is not None:
+            self.sink.finish()  # the talker's call then raises the reader's error
+        else:
+            self.sink.close_inputs()
 
     @property
     def count(self) -> int:
@@ -142,6 +261,8 @@ class _ThinkerStream:
                     self.head = {k: chunk[k].clone() for k in ("prompt", "text_bos", "text_eos", "text_pad")}
                 else:
                     self.replies.append(chunk["reply"].clone())
+                    if self.sink is not None and len(self.replies) > 1:
+                        self.sink.feed(self.replies[-1].to(self.device))
                 self.changed.set()
                 await self.ctx.emit({"text": chunk["text"], "token_ids": [chunk["token_id"]]})
             if expect == 0:
@@ -152,6 +273,8 @@ class _ThinkerStream:
         finally:
             self.ended = True
             self.changed.set()
+            if self.sink is not None:
+                self._end_sink()
 
     async def _wait(self, ready) -> None:
         while not ready():

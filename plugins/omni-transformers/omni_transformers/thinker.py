@@ -158,7 +158,10 @@ class ThinkerEngine:
                          position_ids=pre.position_ids[:, start:end][:, None, :], cache=state.cache,
                          use_cache=True, output_hidden_states=state.speech, return_dict=True)
         if state.speech:
-            state.parts[start] = (out.hidden_states[0] + out.hidden_states[-1])[0]
+            embeds = out.hidden_states[0]
+            if pre.media_mask is not None:  # generate zeroes the audio/image positions of the embeddings
+                embeds = embeds.masked_fill(pre.media_mask[start:end].to(embeds.device)[None, :, None], 0)
+            state.parts[start] = (embeds + out.hidden_states[-1])[0]
         if end < pre.length:
             return NO_OUTPUT
         state.kv = RowKV(state.cache, state.reserved)
