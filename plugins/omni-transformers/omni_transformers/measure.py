@@ -78,6 +78,51 @@ async def pipeline_numbers(name: str, n: int, preload: bool) -> dict:
     }
 
 
+async def first_audio_numbers(name: str, in_flight: list[int], requests: int, inputs: dict) -> list[dict]:
+    """Time to first audio under load: ``c`` streamed requests at a time (closed loop, each
+    finished request replaced at once) for each ``c`` of ``in_flight``; p50/p99 of the first audio
+    chunk, of the whole request, their ratio and the audio chunks per request."""
+    from omni_core import Pipeline, load_config
+    from omni_core.plugins import load_plugins
+
+    def pct(values, q):
+        values = sorted(values)
+        return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+
+    out = []
+    async with Pipeline(load_config(name, registry=load_plugins().registry)) as p:
+        async def one(seed):
+            t = time.perf_counter()
+            first = None
+            chunks = codes = 0
+            async for event in p.stream(dict(inputs, seed=seed, wav_path=None)):
+                if event.kind == "chunk" and "audio" in event.data:
+                    first = first if first is not None else time.perf_counter() - t
+                    chunks += 1
+                if event.is_result:
+                    codes = len(event.data["codes"])
+            return first, time.perf_counter() - t, chunks, codes
+
+        async def worker(runs: list, seeds, count: int) -> None:
+            while len(runs) < count:
+                runs.append(await one(next(seeds)))
+
+        await one(0)  # warm-up
+        for c in in_flight:
+            runs: list = []
+            seeds = iter(range(1, 10**9))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(runs, seeds, max(requests, c)) for _ in range(c)))
+            elapsed = time.perf_counter() - t0
+            firsts = [r[0] for r in runs if r[0] is not None]
+            out.append({"in_flight": c, "requests": len(runs), "first_audio_p50_s": pct(firsts, 0.5),
+                        "first_audio_p99_s": pct(firsts, 0.99), "request_p50_s": pct([r[1] for r in runs], 0.5),
+                        "first_audio_over_request_p50": pct([r[0] / r[1] for r in runs if r[0] is not None], 0.5),
+                        "audio_chunks_p50": pct([r[2] for r in runs], 0.5), "codes_p50": pct([r[3] for r in runs], 0.5),
+                        "requests_per_s": round(len(runs) / elapsed, 2)})
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_transformers.measure")
     parser.add_argument("checkpoint")
@@ -90,8 +135,22 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--no-single", action="store_true", help="skip the single-process generate run"
     )
+    parser.add_argument("--first-audio", metavar="N,N,...",
+                        help="measure time to first audio at these numbers of requests in flight (e.g. 1,16,64) "
+                             "instead of the rest")
+    parser.add_argument("--talker-max-new-tokens", type=int, default=None,
+                        help="codes per reply at most (default: the inputs' 60)")
     args = parser.parse_args(argv)
     os.environ["OMNI_TRANSFORMERS_MODEL"] = args.checkpoint
+    if args.first_audio:
+        inputs = dict(INPUTS)
+        if args.talker_max_new_tokens:
+            inputs["talker_max_new_tokens"] = args.talker_max_new_tokens
+        levels = [int(x) for x in args.first_audio.split(",")]
+        for pipeline in args.pipeline or ["qwen2_5_omni"]:
+            for row in asyncio.run(first_audio_numbers(pipeline, levels, args.requests, inputs)):
+                print(json.dumps({"what": f"{pipeline} first audio", **row}), flush=True)
+        return 0
     if not args.no_single:
         out = subprocess.run(
             [sys.executable, "-c", SINGLE, args.checkpoint, json.dumps(INPUTS), str(args.requests)],
