@@ -59,6 +59,30 @@ def test_the_in_flight_gauge_of_a_dead_process_is_not_summed():
     assert kept[1]["values"] == exports[1]["values"]
 
 
+def test_the_graph_groups_stages_by_process_with_their_gpus_and_relays(registry):
+    from types import SimpleNamespace
+
+    from test_plan_topology import plan_for
+
+    from omni_core.serve.app import ServeSettings
+    from omni_core.serve.console import topology
+
+    plan = plan_for(registry, {"name": "enc", "process": "front", "gpu": 1, "next": "llm"},
+                    {"name": "pre", "process": "front", "gpu": 1, "next": "llm"},
+                    {"name": "llm", "tp_size": 2, "gpu": 0, "terminal": True, "wait_for": ["enc", "pre"],
+                     "merge_fn": "stack"}, gpus=3)
+    state = SimpleNamespace(pipeline=SimpleNamespace(plan=plan, config=plan.config), settings=ServeSettings(apis=("openai",)))
+    topo = topology(state)
+    groups = {g["name"]: g for g in topo["groups"]}
+    assert groups["front"]["stages"] == ["enc", "pre"] and groups["front"]["gpus"] == [1]
+    assert groups["front"]["label"] == "front · GPU 1"
+    assert groups["llm"]["gpus"] == [0, 1] and [p["tp_rank"] for p in groups["llm"]["processes"]] == [0, 1]
+    assert groups["llm"]["label"] == "llm · tp 2 · GPUs 0, 1"
+    assert {(e["src"], e["dst"], e["label"]) for e in topo["edges"]} == \
+        {(e.src, e.dst, e.relay) for e in plan.edges}
+    assert topo["openai"] is True and topo["requests_path"] == f"/v1/pipelines/{plan.config.name}/requests"
+
+
 def test_the_page_fetches_nothing_from_elsewhere():
     """Every URL in the page's files is this server's (a path) or the SVG namespace name."""
     for name in ["console.html", *STATIC]:
