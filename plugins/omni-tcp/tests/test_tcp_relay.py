@@ -45,23 +45,29 @@ def test_auto_takes_tcp_across_nodes_and_shm_within_one():
     assert [e.relay for e in forced.edges] == ["inline"]
 
 
-@pytest.fixture
-def pair(tmp_path):
-    """A sender here and a receiver in a spawned process, both ``tcp``."""
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    """A receiver in a spawned process, for the whole module."""
     run_id = f"tcp{os.getpid()}"
-    receiver = RelayPeer.start(TcpRelay, RelayContext(run_id, "receiver", str(tmp_path), OPTIONS))
-    sender = TcpRelay(RelayContext(run_id, "sender", str(tmp_path), OPTIONS))
-    yield sender, receiver
-    sender.close()
-    assert receiver.stop() == 0
+    peer = RelayPeer.start(TcpRelay, RelayContext(run_id, "receiver", str(tmp_path_factory.mktemp("tcp")), OPTIONS))
+    yield peer
+    assert peer.stop() == 0
     assert remove_leaked(run_id) == []
 
 
-async def _get_and_peek(state, small: bytes, big_ticket: int):
-    """Get ``small``; how many bytes of transfer ``big_ticket`` had arrived by then."""
+@pytest.fixture
+def pair(receiver, tmp_path):
+    """A fresh sender here (the receiver has never connected to it) and the receiver."""
+    sender = TcpRelay(RelayContext(f"tcp{os.getpid()}", "sender", str(tmp_path), OPTIONS))
+    yield sender, receiver
+    sender.close()
+
+
+async def _get_and_peek(state, small: bytes, big: bytes):
+    """Get ``small``; how many bytes of transfer ``big`` had arrived by then."""
     tensors = await state.relay.get(small)
-    (link,) = state.relay._links.values()
-    arrived = link.progress(big_ticket)
+    h = _decode(big)
+    arrived = state.relay._links[(h.address, h.secret)].progress(h.ticket)
     records = [tensor_record(t) for t in tensors]
     state.relay.release(small)
     return records, arrived
@@ -86,7 +92,7 @@ def test_a_small_transfer_overtakes_a_large_one_in_flight(pair):
         return await sender.put(1, [big], "receiver"), await sender.put(2, [small], "receiver")
 
     big_t, small_t = asyncio.run(put_both())
-    records, arrived = receiver.call(_get_and_peek, bytes(small_t.handle), _decode(big_t.handle).ticket)
+    records, arrived = receiver.call(_get_and_peek, bytes(small_t.handle), bytes(big_t.handle))
     assert records == [tensor_record(small)]
     assert 0 <= arrived < big.nbytes, f"the small transfer waited for all {arrived} bytes of the large one"
     assert receiver.call(_get, bytes(big_t.handle)) == [tensor_record(big)]
