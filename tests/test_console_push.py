@@ -223,6 +223,17 @@ def test_the_push_channel_sends_the_topology_then_live_state_that_follows_the_re
         events.wait(lambda s: s["stages"]["words"]["requests_per_s"] == 0, deadline=20)
 
 
+def test_tensor_bytes_show_per_relay_and_process_pair(server, client):
+    with Events(server.url) as events:
+        before = {(r["relay"], r["src"], r["dst"]): r["bytes"] for r in events.wait(lambda s: True)["relays"]}
+        r = client.post("/v1/pipelines/words/requests", json={"input": {"text": "bytes", "tensor": 1000}})
+        assert r.status_code == 200
+        key = ("shm", "shout", "words")  # 1000 float32 from shout's process to words'
+        state = events.wait(lambda s: any((x["relay"], x["src"], x["dst"]) == key and x["bytes"] >= before.get(key, 0) + 4000
+                                          for x in s["relays"]))
+        assert all(x["bytes"] >= 0 and x["bytes_per_s"] >= 0 for x in state["relays"])
+
+
 def test_a_request_in_flight_shows_in_its_stage_and_the_pipeline(server, client, tmp_path):
     gate = tmp_path / "gate"
     done: list[httpx.Response] = []

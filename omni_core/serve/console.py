@@ -178,9 +178,11 @@ class Feed:
         chunks = _series(snap, "values", "omni_stream_chunks_total")
         requests = _series(snap, "values", "omni_requests_total")
         latency = _series(snap, "histograms", "omni_request_duration_seconds").get((cfg.name,))
+        relayed = _series(snap, "values", "omni_relay_bytes_total")
 
         totals = {f"stage:{s}": sum(v for (stage, _), v in calls.items() if stage == s) for s in cfg.stage_names}
         totals["requests"] = sum(requests.values())
+        totals.update({"relay:" + "|".join(key): v for key, v in relayed.items()})
         now = time.monotonic()
         rates = self._rates(now, totals)
         stages = {}
@@ -212,6 +214,10 @@ class Feed:
             },
             "stages": stages,
             "processes": processes,
+            # tensor bytes through each relay, by sending and receiving process ("coordinator": the server)
+            "relays": [{"relay": relay, "src": src or "coordinator", "dst": dst or "coordinator", "bytes": int(v),
+                        "bytes_per_s": round(rates["relay:" + "|".join((relay, src, dst))], 1)}
+                       for (relay, src, dst), v in sorted(relayed.items())],
             "recent": recent_requests(state.meter.recent, exports),
         }
 

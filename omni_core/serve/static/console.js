@@ -34,6 +34,13 @@ function seconds(s) {
   return s.toFixed(2) + " s";
 }
 
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i && n < 10 ? 1 : 0)} ${units[i]}`;
+}
+
 function rate(r) { return r >= 10 ? r.toFixed(0) : r.toFixed(1); }
 
 function setState(node, state) {
@@ -210,6 +217,11 @@ function onState(st) {
     setState(state, info.state);
     tr.appendChild(state);
     tr.appendChild(el("td", { "data-testid": `process-restarts-${name}` }, String(info.restarts)));
+    return tr;
+  }));
+  $("relay-table").tBodies[0].replaceChildren(...(st.relays || []).map((r) => {
+    const tr = el("tr", { "data-testid": `relay-row-${r.src}-${r.dst}` });
+    for (const v of [r.relay, r.src, r.dst, bytes(r.bytes), bytes(r.bytes_per_s)]) tr.appendChild(el("td", {}, v));
     return tr;
   }));
   if (!topology) return;
