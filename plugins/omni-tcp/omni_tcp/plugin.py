@@ -8,10 +8,11 @@ from omni_core import hookimpl
 from omni_core.options import Option, boolean, positive_int, positive_number, string
 from omni_core.relay import RelayCapabilities
 
-#: Milliseconds per MiB across nodes, from ``python -m bench --scenario ray`` (64 MiB tensors
-#: between two nodes of a local Ray cluster on the 2-core reference machine, median of the run
-#: reported in docs/performance.md). ``omni plan`` shows it for edges that cross nodes.
-MEASURED_MS_PER_MIB = 0.6
+#: Milliseconds per MiB across nodes, from ``python -m bench --scenario ray``: the median request
+#: time of a 64 MiB tensor between two nodes of a local Ray cluster on the 2-core reference
+#: machine (load average 12 to 17), over 64; the run docs/performance.md reports ("Tensors across
+#: nodes"). ``omni plan`` shows it for edges that cross nodes. Rerun the bench to update it.
+MEASURED_MS_PER_MIB = 1.44
 
 CAPABILITIES = RelayCapabilities(
     devices=frozenset({"cpu", "cuda"}),
