@@ -93,7 +93,7 @@ class Token2Wav:
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
                  wav_path: str | None = None, source: str = "talker", stream: bool = True,
-                 first_chunk_codes: int = 8, chunk_growth: float = 2.0, max_chunk_codes: int = 256,
+                 first_chunk_codes: int = 4, chunk_growth: float = 2.0, max_chunk_codes: int = 256,
                  lookahead_codes: int = 8, lookback_codes: int = 8, vocoder_context: int | None = None):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
