@@ -7,7 +7,9 @@ import torch
 from omni_core.config import collect_issues, load_config
 from omni_core.plugins import load_plugins
 
-STAGES = ["processor", "thinker", "talker", "token2wav"]
+STAGES = ["processor", "audio_encoder", "vision_encoder", "thinker", "talker", "token2wav"]
+# The pipelines' stages: the registered ones, and "text" (a thinker without speech) for text-only requests.
+PIPELINE_STAGES = ["processor", "audio_encoder", "vision_encoder", "thinker", "text", "talker", "token2wav"]
 
 
 def registry():
@@ -16,24 +18,29 @@ def registry():
     return plugins.registry
 
 
-def test_the_plugin_registers_four_stages_a_route_function_and_two_pipelines():
+def test_the_plugin_registers_its_stages_wiring_functions_and_two_pipelines():
     info = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"}).info("transformers")
     assert info.registered["stage"] == [f"transformers.qwen2_5_omni.{s}" for s in STAGES]
     assert info.registered["pipeline"] == ["qwen2_5_omni", "qwen2_5_omni.split"]
-    assert info.registered["route"] == ["transformers.qwen2_5_omni.no_payload"]
+    assert info.registered["route"] == [f"transformers.qwen2_5_omni.{f}"
+                                        for f in ("no_payload", "route_encoded", "route_inputs")]
+    assert info.registered["terminal_stages"] == ["transformers.qwen2_5_omni.terminal_stages"]
 
 
-@pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 2), ("qwen2_5_omni.split", 4)])
+@pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 2), ("qwen2_5_omni.split", 6)])
 def test_shipped_pipelines_are_valid(name, processes):
     reg = registry()
     cfg = load_config(name, registry=reg)
     assert collect_issues(cfg, reg) == []
-    assert [s.name for s in cfg.stages] == STAGES
-    assert cfg.terminal_stages == ["token2wav"]
+    assert [s.name for s in cfg.stages] == PIPELINE_STAGES
+    assert cfg.terminal_stages == ["text", "token2wav"]
+    assert cfg.terminal_stages_fn == "transformers.qwen2_5_omni.terminal_stages"
     assert len({s.process or s.name for s in cfg.stages}) == processes
     if name == "qwen2_5_omni":
         by_name = {s.name: s for s in cfg.stages}
         assert by_name["thinker"].process != by_name["talker"].process == by_name["token2wav"].process
+    by_name = {s.name: s for s in cfg.stages}
+    assert by_name["text"].process == by_name["thinker"].process  # one model and decode loop for both
     assert cfg.launcher.options["preload"] == ["omni_transformers.preload"]
 
 
