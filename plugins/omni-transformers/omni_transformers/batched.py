@@ -116,17 +116,16 @@ class RowsCache:
                 raise RuntimeError(f"a row's KV cache is full ({row.capacity} tokens): it reserved too few")
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values, dst = [], [], []
+        keys, values, dst_k, dst_v = [], [], [], []
         for row in self.rows:
             n = row.length
             bk, bv = row.keys[layer_idx], row.values[layer_idx]
-            dst.append(bk[0, :, n])
-            dst.append(bv[0, :, n])
-            keys.append(bk[:, :, :n + 1])
-            values.append(bv[:, :, :n + 1])
-        # [B, kv, 1, d] -> per row [kv, d], keys and values interleaved as in dst
-        src = torch.stack([key_states[:, :, 0], value_states[:, :, 0]], dim=1).unbind(0)
-        torch._foreach_copy_(dst, [t for pair in src for t in pair.unbind(0)])
+            dst_k.append(bk[0].select(1, n))
+            dst_v.append(bv[0].select(1, n))
+            keys.append(bk.narrow(2, 0, n + 1))
+            values.append(bv.narrow(2, 0, n + 1))
+        # [B, kv, 1, d] -> per row [kv, d], written at each row's own position
+        torch._foreach_copy_(dst_k + dst_v, list(key_states[:, :, 0].unbind(0)) + list(value_states[:, :, 0].unbind(0)))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -1,6 +1,7 @@
 """Start-up and latency of a pipeline against one process running ``generate``:
 ``python -m omni_transformers.measure CHECKPOINT [--pipeline qwen2_5_omni ...] [--requests 5]
-[--preload both|on|off] [--rounds 1] [--no-single]``.
+[--preload both|on|off] [--rounds 1] [--no-single]``; batching across requests with
+``--batching [--in-flight 1,4,16,64]``.
 
 Prints one JSON line per measurement. The single-process numbers are taken in a fresh
 interpreter (import transformers, load the whole model, generate), the pipeline's with omni.
@@ -123,6 +124,127 @@ async def first_audio_numbers(name: str, in_flight: list[int], requests: int, in
     return out
 
 
+# -- batching across requests ----------------------------------------------------------------------
+
+
+def batch_requests(n: int) -> list[dict]:
+    """n requests: INPUTS with prompts of 12 to 16 tokens and their own seeds."""
+    return [dict(INPUTS, input_ids=INPUTS["input_ids"][: 12 + i % 5], seed=i) for i in range(n)]
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+async def thinker_numbers(stage, in_flight: int, new_tokens: int) -> dict:
+    """``in_flight`` requests of ``new_tokens`` tokens each through one thinker stage object (its
+    decode loop), in this process: tokens/s and the mean wall time of one step."""
+
+    class Sink:
+        async def emit(self, chunk):
+            pass
+
+    engine = stage.engine
+    steps, busy = engine.loop.stats.steps, engine.busy
+    t = time.perf_counter()
+    await asyncio.gather(*(stage(dict(r, max_new_tokens=new_tokens), Sink()) for r in batch_requests(in_flight)))
+    wall = time.perf_counter() - t
+    steps = engine.loop.stats.steps - steps
+    return {"in_flight": in_flight, "tokens_s": round(in_flight * new_tokens / wall, 1),
+            "step_ms": round((engine.busy - busy) / steps * 1e3, 3), "steps": steps}
+
+
+def generate_numbers(thinker, in_flight: int, new_tokens: int) -> dict:
+    """transformers' own ``generate`` of the same requests' thinker part: one at a time, then as
+    one left-padded batch (greedy, exactly ``new_tokens`` each)."""
+    import torch
+
+    prompts = [r["input_ids"] for r in batch_requests(in_flight)]
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    t = time.perf_counter()
+    for ids in prompts:
+        thinker.generate(torch.tensor([ids]), **kwargs)
+    alone = time.perf_counter() - t
+    width = max(len(ids) for ids in prompts)
+    pad = thinker.config.text_config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t = time.perf_counter()
+    thinker.generate(ids, attention_mask=mask, **kwargs)
+    batched = time.perf_counter() - t
+    total = in_flight * new_tokens
+    return {"in_flight": in_flight, "one_at_a_time_tokens_s": round(total / alone, 1),
+            "batched_tokens_s": round(total / batched, 1)}
+
+
+async def pipeline_batching(name: str, levels: list[int]) -> list[dict]:
+    """The pipeline under a closed loop of ``c`` clients for each level: requests/s, tokens/s
+    (thinker tokens, talker codes), medians of the time to first text, first audio and the end."""
+    from omni_core import Pipeline, load_config
+    from omni_core.plugins import load_plugins
+
+    rows = []
+    async with Pipeline(load_config(name, registry=load_plugins().registry)) as p:
+        await p.submit(dict(INPUTS, wav_path=None))  # warm
+        for c in levels:
+            todo = batch_requests(max(2 * c, 8))
+            runs: list[tuple[float, float, float, int, int]] = []
+
+            async def client(todo=todo, runs=runs):
+                while todo:
+                    inputs = dict(todo.pop(), wav_path=None)
+                    t = time.perf_counter()
+                    text = audio = None
+                    async for event in p.stream(inputs):
+                        now = time.perf_counter() - t
+                        if event.is_result:
+                            tokens, codes = len(event.data["token_ids"]), len(event.data["codes"])
+                        elif "audio" in event.data and audio is None:
+                            audio = now
+                        elif "text" in event.data and text is None:
+                            text = now
+                    runs.append((time.perf_counter() - t, text, audio, tokens, codes))
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(c)))
+            wall = time.perf_counter() - t0
+            rows.append({"what": f"{name} batching", "in_flight": c, "requests": len(runs),
+                         "requests_s": round(len(runs) / wall, 2),
+                         "thinker_tokens_s": round(sum(r[3] for r in runs) / wall, 1),
+                         "codes_s": round(sum(r[4] for r in runs) / wall, 1),
+                         "first_text_ms": round(median(r[1] for r in runs) * 1e3, 1),
+                         "first_audio_ms": round(median(r[2] for r in runs) * 1e3, 1),
+                         "request_ms": round(median(r[0] for r in runs) * 1e3, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_tokens: int = 32) -> None:
+    import torch
+    import transformers
+
+    from .thinker import Thinker
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    transformers.logging.set_verbosity_error()
+    stage = Thinker(checkpoint, eos_token_id=[])  # exactly new_tokens per request
+    thinker = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(checkpoint).thinker.eval()
+
+    async def in_process():  # one event loop: the stage's decode loop binds to it
+        await thinker_numbers(stage, 1, 4)  # warm
+        for c in levels:
+            mine = await thinker_numbers(stage, c, new_tokens)
+            ref = generate_numbers(thinker, c, new_tokens)
+            print(json.dumps({"what": "thinker in process (decode loop)", **mine}), flush=True)
+            print(json.dumps({"what": "transformers thinker.generate", **ref}), flush=True)
+        await stage.close()
+
+    asyncio.run(in_process())
+    for name in pipelines:
+        asyncio.run(pipeline_batching(name, levels))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_transformers.measure")
     parser.add_argument("checkpoint")
@@ -140,8 +262,15 @@ def main(argv=None) -> int:
                              "instead of the rest")
     parser.add_argument("--talker-max-new-tokens", type=int, default=None,
                         help="codes per reply at most (default: the inputs' 60)")
+    parser.add_argument("--batching", action="store_true",
+                        help="measure batching across requests at --in-flight levels instead")
+    parser.add_argument("--in-flight", default="1,4,16,64", help="comma-separated levels (with --batching)")
     args = parser.parse_args(argv)
     os.environ["OMNI_TRANSFORMERS_MODEL"] = args.checkpoint
+    if args.batching:
+        levels = [int(x) for x in args.in_flight.split(",") if x.strip()]
+        batching(args.checkpoint, levels, args.pipeline or ["qwen2_5_omni"])
+        return 0
     if args.first_audio:
         inputs = dict(INPUTS)
         if args.talker_max_new_tokens:
