@@ -86,6 +86,9 @@ def native(server):
             result = from_jsonable(r.json()["result"], "result")
             assert result["sample_rate"] == SAMPLE_RATE and result["audio"].dtype == torch.float32
             assert result["audio"].numel() > 0 and len(result["token_ids"]) == MAX_TOKENS
+            # The thinker's counts, passed on to token2wav's result: max_tokens cut the answer.
+            assert result["completion_tokens"] == MAX_TOKENS and result["finish_reason"] == "length"
+            assert result["prompt_tokens"] > len(PROMPT.split())
             # The tiny model's waveform is quiet (peaks near 2e-4: a few LSB), but not silence;
             # the scale itself is checked exactly in contrib_stages/tests/test_openai_audio.py.
             assert any(quantised(result["audio"])), "the waveform quantises to silence"
@@ -122,6 +125,9 @@ def test_a_completion_with_wav_audio_equals_the_pipeline(client, server, native)
     want = native("Chelsie")
     message = done.choices[0].message
     assert message.content == want["text"] and message.audio.transcript == want["text"]
+    assert done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+        want["prompt_tokens"], MAX_TOKENS, want["prompt_tokens"] + MAX_TOKENS)
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
         assert wav.readframes(wav.getnframes()) == quantised(want["audio"])
@@ -161,7 +167,7 @@ def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipelin
     # every text delta before the audio
     assert order == sorted(order, key=lambda kind: kind == "audio"), order
     assert bytes(pcm) == quantised(want["audio"])
-    assert finish == ["stop"]
+    assert finish == ["length"]  # max_tokens cut the answer
 
 
 def test_plain_http_pcm16_and_a_streamed_text_only_completion(server, native):
