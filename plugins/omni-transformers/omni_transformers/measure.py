@@ -178,17 +178,18 @@ def generate_numbers(thinker, in_flight: int, new_tokens: int) -> dict:
             "batched_tokens_s": round(total / batched, 1)}
 
 
-async def pipeline_batching(name: str, levels: list[int]) -> list[dict]:
+async def pipeline_batching(name: str, levels: list[int], modes: tuple[bool, ...] = (True,)) -> list[dict]:
     """The pipeline under a closed loop of ``c`` clients for each level: requests/s, tokens/s
-    (thinker tokens, talker codes), medians of the time to first text, first audio and the end."""
+    (thinker tokens, talker codes), medians of the time to first text, first audio and the end.
+    ``modes``: ``return_audio`` values to measure (False: text only, the thinker alone)."""
     from omni_core import Pipeline, load_config
     from omni_core.plugins import load_plugins
 
     rows = []
     async with Pipeline(load_config(name, registry=load_plugins().registry)) as p:
         await p.submit(dict(INPUTS, wav_path=None))  # warm
-        for c in levels:
-            todo = batch_requests(max(2 * c, 8))
+        for c, audio_on in ((c, a) for c in levels for a in modes):
+            todo = [dict(r, return_audio=audio_on) for r in batch_requests(max(2 * c, 8))]
             runs: list[tuple[float, float, float, int, int]] = []
 
             async def client(todo=todo, runs=runs):
@@ -199,7 +200,7 @@ async def pipeline_batching(name: str, levels: list[int]) -> list[dict]:
                     async for event in p.stream(inputs):
                         now = time.perf_counter() - t
                         if event.is_result:
-                            tokens, codes = len(event.data["token_ids"]), len(event.data["codes"])
+                            tokens, codes = len(event.data["token_ids"]), len(event.data.get("codes", ()))
                         elif "audio" in event.data and audio is None:
                             audio = now
                         elif "text" in event.data and text is None:
@@ -209,18 +210,20 @@ async def pipeline_batching(name: str, levels: list[int]) -> list[dict]:
             t0 = time.perf_counter()
             await asyncio.gather(*(client() for _ in range(c)))
             wall = time.perf_counter() - t0
-            rows.append({"what": f"{name} batching", "in_flight": c, "requests": len(runs),
+            rows.append({"what": f"{name} batching" + ("" if audio_on else " text only"), "in_flight": c,
+                         "requests": len(runs),
                          "requests_s": round(len(runs) / wall, 2),
                          "thinker_tokens_s": round(sum(r[3] for r in runs) / wall, 1),
                          "codes_s": round(sum(r[4] for r in runs) / wall, 1),
                          "first_text_ms": round(median(r[1] for r in runs) * 1e3, 1),
-                         "first_audio_ms": round(median(r[2] for r in runs) * 1e3, 1),
+                         "first_audio_ms": round(median(r[2] for r in runs) * 1e3, 1) if audio_on else None,
                          "request_ms": round(median(r[0] for r in runs) * 1e3, 1)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_tokens: int = 32) -> None:
+def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_tokens: int = 32,
+             modes: tuple[bool, ...] = (True,), in_process: bool = True) -> None:
     import torch
     import transformers
 
@@ -228,10 +231,10 @@ def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_token
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     transformers.logging.set_verbosity_error()
-    stage = Thinker(checkpoint, eos_token_id=[])  # exactly new_tokens per request
-    thinker = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(checkpoint).thinker.eval()
 
-    async def in_process():  # one event loop: the stage's decode loop binds to it
+    async def in_process_run():  # one event loop: the stage's decode loop binds to it
+        stage = Thinker(checkpoint, eos_token_id=[])  # exactly new_tokens per request
+        thinker = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(checkpoint).thinker.eval()
         await thinker_numbers(stage, 1, 4)  # warm
         for c in levels:
             mine = await thinker_numbers(stage, c, new_tokens)
@@ -240,9 +243,10 @@ def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_token
             print(json.dumps({"what": "transformers thinker.generate", **ref}), flush=True)
         await stage.close()
 
-    asyncio.run(in_process())
+    if in_process:
+        asyncio.run(in_process_run())
     for name in pipelines:
-        asyncio.run(pipeline_batching(name, levels))
+        asyncio.run(pipeline_batching(name, levels, modes))
 
 
 def main(argv=None) -> int:
@@ -265,11 +269,17 @@ def main(argv=None) -> int:
     parser.add_argument("--batching", action="store_true",
                         help="measure batching across requests at --in-flight levels instead")
     parser.add_argument("--in-flight", default="1,4,16,64", help="comma-separated levels (with --batching)")
+    parser.add_argument("--text-only", choices=("no", "also", "only"), default="no",
+                        help="with --batching: also (or only) measure return_audio: false requests")
+    parser.add_argument("--no-in-process", action="store_true",
+                        help="with --batching: skip the in-process thinker and generate numbers")
     args = parser.parse_args(argv)
     os.environ["OMNI_TRANSFORMERS_MODEL"] = args.checkpoint
     if args.batching:
         levels = [int(x) for x in args.in_flight.split(",") if x.strip()]
-        batching(args.checkpoint, levels, args.pipeline or ["qwen2_5_omni"])
+        modes = {"no": (True,), "also": (True, False), "only": (False,)}[args.text_only]
+        batching(args.checkpoint, levels, args.pipeline or ["qwen2_5_omni"], modes=modes,
+                 in_process=not args.no_in_process)
         return 0
     if args.first_audio:
         inputs = dict(INPUTS)
