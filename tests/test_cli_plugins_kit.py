@@ -37,7 +37,7 @@ def test_new_writes_a_complete_distribution(tmp_path):
     assert result.returncode == 0, result.stderr
     root = tmp_path / "omni-acme"
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) == [
-        "README.md", "omni_acme/__init__.py", "omni_acme/pipelines/example.yaml", "omni_acme/plugin.py",
+        "README.md", "constraints.txt", "omni_acme/__init__.py", "omni_acme/pipelines/example.yaml", "omni_acme/plugin.py",
         "omni_acme/stages.py", "pyproject.toml", "tests/test_omni_acme.py", "tox.ini",
     ]
     pyproject = (root / "pyproject.toml").read_text()

@@ -59,7 +59,8 @@ def test_new_writes_a_complete_distribution_of_the_kind(tmp_path, kind):
     result = run_omni("plugins", "new", name, "--dir", str(tmp_path), "--kind", kind)
     assert result.returncode == 0, result.stderr
     root = tmp_path / f"omni-{name}"
-    expected = ["README.md", f"omni_{name}/__init__.py", "pyproject.toml", f"tests/test_omni_{name}.py", "tox.ini"]
+    expected = ["README.md", "constraints.txt", f"omni_{name}/__init__.py", "pyproject.toml",
+                f"tests/test_omni_{name}.py", "tox.ini"]
     expected += [f.replace("NAME", name) for f in LAYOUT[kind]]
     assert _files(root) == sorted(expected)
     for path in root.rglob("*"):
@@ -75,7 +76,7 @@ def test_new_writes_a_complete_distribution_of_the_kind(tmp_path, kind):
     assert f"omni plugins new {name} --kind {kind}" in readme and f"omni plugins list --hook {kind}s" in readme
     assert f"$ omni run {name}.example" in readme
     lines = result.stdout.splitlines()
-    assert f"  pip install -e {root}" in lines and f"  omni plugins check omni-{name}" in lines
+    assert f"  pip install -e '{root}[test]'" in lines and f"  omni plugins check omni-{name}" in lines
     assert f"  omni run {name}.example --input '{{\"text\": \"hello omni\"}}'" in lines
 
 
@@ -124,3 +125,24 @@ def test_generated_launcher_and_api_plugins_pass_their_tests_check_clean_and_do_
         assert answer.json() == {"text": "HELLO OMNI", "stages": ["first", "last"], "pipeline": "kitapi-example"}
     assert server.returncode == 0, server.output()
     server.assert_nothing_left()
+
+
+def test_the_generated_tox_needs_no_settings_it_records_this_omni_core_and_pins_this_torch(tmp_path):
+    """No index has omni-core and an index's newest torch is a CUDA build: the generated tox.ini
+    installs the omni-core `omni plugins new` ran from, and constraints.txt pins the torch build it
+    ran with (tests/generated_tox.py runs such a tox for real in the plugin-template env)."""
+    from importlib import metadata
+
+    from omni_core.scaffold import omni_core_source
+
+    root = new_plugin("toxy", tmp_path)
+    source = omni_core_source()
+    assert Path(source).exists(), source  # this checkout, or the wheel tox installed
+    tox_ini = (root / "tox.ini").read_text()
+    assert f"omniinstalled: {{env:OMNI_CORE:{source}}}" in tox_ini
+    assert f"omnimin: {{env:OMNI_CORE_MIN:{source}}}" in tox_ini
+    assert "PIP_CONSTRAINT = {toxinidir}/constraints.txt" in tox_ini
+    pins = [line for line in (root / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
+    assert pins == [f"torch=={metadata.version('torch')}"]
+    readme = (root / "README.md").read_text()
+    assert "$ pip install -e './omni-toxy[test]'" in readme and f"(`{source}`)" in readme

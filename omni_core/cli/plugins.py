@@ -129,7 +129,7 @@ def plugins_new(
     dist = path.name
     print(f"created {path}/ (distribution {dist}, package omni_{name}, names {name}.*)")
     print("next:")
-    print(f"  pip install -e {path}")
+    print(f"  pip install -e '{path}[test]'")
     print(f"  cd {path} && pytest")
     print(f"  omni plugins check {dist}")
     print(f"  {run_command(name, kind)}")
