@@ -1,10 +1,18 @@
-"""docs/plugins.md's tutorial works literally: every command of its ``<!-- tutorial -->`` blocks
-runs in order, in a fresh folder, through the real ``omni`` console script, and the outputs the
-page shows for ``omni run`` are what the commands print.
+"""docs/plugins.md's tutorial works literally, as a new author follows it: every command of its
+``<!-- tutorial -->`` blocks runs in order, through bash, in a fresh folder and a fresh virtual
+environment (``python3 -m venv``, no system site packages) holding only what the page installs
+(omni-core from this checkout via ``$OMNI``, as the page writes it, then each generated plugin with
+its ``[test]`` extra); the outputs the page shows for ``omni run`` are what the commands print.
+Then the generated plugin's README: its console commands, in the same environment, from the
+folder it is written for.
 
-One substitution keeps the test hermetic: ``pip install -e ./omni-NAME`` installs into a private
-site directory (``pip install --target``) instead of the test's environment, and each command
-loads the plugins the page created so far and nothing else installed."""
+Like a terminal, each command starts in the folder the previous one ended in, and the venv the
+page activates stays active. Nothing of the test's own environment leaks in: its ``bin`` is off
+``PATH``, and ``OMNI_*``, ``PIP_CONSTRAINT``, ``PYTHONPATH`` and ``VIRTUAL_ENV`` are unset. pip's
+cache is shared (the CPU torch is not downloaded again). The README's ``tox`` runs as ``tox
+config`` (that it finds omni-core and the CPU torch with no settings, without building its
+environments): the plugin-template tox env runs a generated plugin's tox for real
+(tests/generated_tox.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +25,15 @@ from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).parent.parent / "docs" / "plugins.md"
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).parent.parent
+DOC = ROOT / "docs" / "plugins.md"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def tutorial_steps() -> list[tuple[str, list[str]]]:
-    """``(command, expected output lines)`` of every ``$`` line in the tutorial blocks."""
+def console_steps(text: str, marker: str = "<!-- tutorial -->\n") -> list[tuple[str, list[str]]]:
+    """``(command, expected output lines)`` of every ``$`` line in the ``marker``ed console blocks."""
     steps: list[tuple[str, list[str]]] = []
-    for block in re.findall(r"<!-- tutorial -->\n```console\n(.*?)```", DOC.read_text(), re.S):
+    for block in re.findall(re.escape(marker) + r"```console\n(.*?)```", text, re.S):
         for line in block.splitlines():
             if line.startswith("$ "):
                 steps.append((line[2:], []))
@@ -33,50 +42,98 @@ def tutorial_steps() -> list[tuple[str, list[str]]]:
     return steps
 
 
+def tutorial_steps() -> list[tuple[str, list[str]]]:
+    return console_steps(DOC.read_text())
+
+
 NEW = re.compile(r"^omni plugins new (\w+)(?: --kind (\w+))?$")
-INSTALL = re.compile(r"^pip install -e \./(omni-[\w-]+)$")
+VENV = "python3 -m venv .venv && . .venv/bin/activate"
 
 
 def test_the_tutorial_has_the_steps_a_new_author_follows():
     commands = [c for c, _ in tutorial_steps()]
-    assert commands[0] == "omni plugins new acme"
-    assert "pip install -e ./omni-acme" in commands
+    assert commands[:3] == [VENV, 'pip install -c "$OMNI/constraints.txt" "$OMNI"', "omni plugins new acme"]
+    assert "pip install -e './omni-acme[test]'" in commands
     assert any(c.startswith("omni run acme.example") for c in commands)
     assert any(c.startswith("cd omni-acme && pytest") for c in commands)
-    # every kind the page walks through is created, installed, checked and tested
+    # every kind the page walks through is created, installed with its tests' extra, checked and tested
     created = {m.group(1): m.group(2) or "stage" for c in commands if (m := NEW.match(c))}
     assert sorted(created.values()) == ["api", "launcher", "stage"]
     for name in created:
         dist = f"omni-{name}"
-        assert {f"pip install -e ./{dist}", f"omni plugins check {dist}"} <= set(commands), name
+        assert {f"pip install -e './{dist}[test]'", f"omni plugins check {dist}"} <= set(commands), name
         assert any(c.startswith(f"cd {dist} && pytest") for c in commands), name
 
 
-def test_the_tutorial_works_command_by_command(tmp_path):
-    site = tmp_path / "site"
-    bindir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if k not in ("OMNI_LOAD_PLUGINS", "OMNI_DISABLED_PLUGINS")}
-    env.update(PYTHONPATH=str(site), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", NO_COLOR="1",
-               OMNI_LOG_LEVEL="WARNING")
+class Terminal:
+    """One user's shell, a command at a time: the folder and the activated venv carry over."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]):
+        self.cwd, self.env = cwd, env
+
+    def run(self, command: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        where = self.cwd / ".." / f".cwd-{os.getpid()}"
+        script = f"{command}\nrc=$?\npwd > {where}\nexit $rc\n"
+        done = subprocess.run(["bash", "-c", script], cwd=self.cwd, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        if where.exists():
+            self.cwd = Path(where.read_text().strip())
+            where.unlink()
+        if command.endswith(". .venv/bin/activate") and done.returncode == 0:  # what activate does
+            venv = self.cwd / ".venv"
+            self.env["VIRTUAL_ENV"] = str(venv)
+            self.env["PATH"] = f"{venv / 'bin'}{os.pathsep}{self.env['PATH']}"
+        return done
+
+
+def fresh_terminal(work: Path) -> Terminal:
+    """A shell like a new user's: the Python that runs the tests only as a plain interpreter."""
+    ours = {os.path.realpath(Path(sys.prefix) / "bin"), os.path.realpath(Path(sys.executable).parent)}
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) not in ours]
+    base = Path(getattr(sys, "_base_executable", sys.executable)).parent  # python3 -m venv needs a python3
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OMNI_") and k not in ("PIP_CONSTRAINT", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PATH=os.pathsep.join([str(base), *path]), NO_COLOR="1", OMNI=str(ROOT))
+    return Terminal(work, env)
+
+
+def check_step(command: str, expected: list[str], done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, f"$ {command}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert "Traceback" not in done.stderr, f"$ {command}\n{done.stderr}"
+    if command.startswith("omni run") and expected:
+        assert [json.loads(line) for line in done.stdout.splitlines()] == [json.loads(e) for e in expected]
+    if command.startswith("omni plugins list"):
+        assert "omni-acme:acme  0.1.0  ok" in done.stdout
+    if command.startswith("omni plugins check"):
+        assert done.stdout.splitlines()[0] == f"{command.split()[-1]}: ok"
+    if re.match(r"(cd \S+ && )?pytest\b", command):
+        summary = done.stdout.splitlines()[-1]  # "4 passed in 9.1s", or framed by "=" without -q
+        assert re.search(r"\b\d+ passed\b", summary) and not re.search(r"failed|error", summary), done.stdout
+
+
+def test_the_tutorial_and_the_generated_readme_work_in_a_fresh_venv(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    created: list[str] = []
+    shell = fresh_terminal(work)
     for command, expected in tutorial_steps():
-        shell = command
-        if new := NEW.match(command):
-            created.append(f"omni-{new.group(1)}")
-        if install := INSTALL.match(command):
-            shell = (f"{sys.executable} -m pip install --quiet --no-deps --no-build-isolation --no-index "
-                     f"--disable-pip-version-check --target {site} ./{install.group(1)}")
-        env["OMNI_LOAD_PLUGINS"] = ",".join(created)  # the page's plugins, nothing else installed
-        done = subprocess.run(["bash", "-c", shell], cwd=work, env=env, capture_output=True, text=True, timeout=400)
-        assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
-        assert "Traceback" not in done.stderr, f"$ {command}\n{done.stderr}"
-        if command.startswith("omni run"):
-            assert [json.loads(line) for line in done.stdout.splitlines()] == [json.loads(e) for e in expected]
-        if command.startswith("omni plugins list"):
-            assert "omni-acme:acme  0.1.0  ok" in done.stdout
-        if command.startswith("omni plugins check"):
-            assert done.stdout.splitlines()[0] == f"{command.split()[-1]}: ok"
-        if " && pytest" in command:
-            assert re.search(r"^\d+ passed", done.stdout.splitlines()[-1]), done.stdout
+        check_step(command, expected, shell.run(command))
+
+    # the generated README, in the same environment, from the folder it is written for
+    venv_python = work / ".venv" / "bin" / "python"
+    source = subprocess.run([str(venv_python), "-c", "from omni_core.scaffold import omni_core_source as s; print(s())"],
+                            cwd=work, env=shell.env, capture_output=True, text=True, timeout=120)
+    assert source.stdout.strip() == str(ROOT), source.stderr  # what the generator recorded: $OMNI
+    readme = (work / "omni-acme" / "README.md").read_text()
+    shell.cwd = work
+    ran = []
+    for command, expected in console_steps(readme, marker=""):
+        if command.split("#")[0].strip() == "tox":
+            command = f"tox config -e py{sys.version_info[0]}{sys.version_info[1]}-omniinstalled -k deps set_env"
+            done = shell.run(command)
+            check_step(command, expected, done)
+            assert re.search(rf"^deps = {re.escape(str(ROOT))}$", done.stdout, re.M), done.stdout
+            assert f"PIP_CONSTRAINT={shell.cwd}/constraints.txt" in done.stdout, done.stdout
+            continue
+        check_step(command, expected, shell.run(command))
+        ran.append(command.split("#")[0].strip())
+    assert ran[:2] == ["pip install -e './omni-acme[test]'", "omni plugins list --hook stages"] and "pytest" in ran
