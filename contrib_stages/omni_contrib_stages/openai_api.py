@@ -27,6 +27,14 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           sample_rate_field: sample_rate  # chunk[sample_rate_field], when present, is its rate
           voices: null                # accepted voice names (null: any)
           voice_key: null             # the voice goes to inputs[voice_key] (null: not passed on)
+          messages_key: null          # the conversation (with audio / image parts) goes to inputs[messages_key]
+          allow_local_files: false    # image_url may name a file on the server (else data URLs only)
+
+With ``messages_key`` the stage gets the conversation in Qwen's chat format: each message's role
+and content, a string or parts ``{"type": "text", "text"}``, ``{"type": "audio", "audio": bytes}``
+(from ``input_audio``: base64 ``data`` of a ``wav``, ``mp3`` or ``flac`` file) and ``{"type":
+"image", "image": bytes}`` (from ``image_url`` with a ``data:`` URL; a ``file://`` URL or a path
+becomes ``"image": path`` only when ``allow_local_files`` is true; other URLs are refused).
 
 Audio in a chunk is either mono little-endian 16-bit PCM (``bytes``) or samples: a 1-D torch
 tensor, numpy array or list, float in [-1, 1] (any float dtype, bfloat16 included: clipped, scaled
@@ -106,7 +114,7 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     return opts
 
 
-def _prompt(messages: Any) -> str:
+def _prompt_checks(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest(
             "'messages' must be a non-empty list of {role, content} objects", "messages"
@@ -116,10 +124,13 @@ def _prompt(messages: Any) -> str:
             raise BadRequest(
                 f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]"
             )
-    users = [m for m in messages if m["role"] == "user"]
-    if not users:
+    if not any(m["role"] == "user" for m in messages):
         raise BadRequest("'messages' needs at least one message with role 'user'", "messages")
-    content = users[-1].get("content")
+
+
+def _prompt(messages: Any) -> str:
+    _prompt_checks(messages)
+    content = [m for m in messages if m["role"] == "user"][-1].get("content")
     if isinstance(content, list):  # content parts: keep the text ones
         content = " ".join(
             p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
@@ -127,6 +138,68 @@ def _prompt(messages: Any) -> str:
     if not isinstance(content, str) or not content.strip():
         raise BadRequest("the last user message needs text content", "messages")
     return content
+
+
+AUDIO_INPUT_FORMATS = ("wav", "mp3", "flac")
+
+
+def _b64(data: Any, param: str) -> bytes:
+    if not isinstance(data, str) or not data:
+        raise BadRequest(f"{param} must be a non-empty base64 string", param)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, TypeError):
+        raise BadRequest(f"{param} is not valid base64", param) from None
+
+
+def _part(part: Any, where: str, allow_local_files: bool) -> dict[str, Any]:
+    """One OpenAI content part as a part of Qwen's chat format."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.text must be a string", f"{where}.text")
+        return {"type": "text", "text": part["text"]}
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, Mapping):
+            raise BadRequest(f'{where}.input_audio must be {{"data": base64, "format": "wav"}}', f"{where}.input_audio")
+        if audio.get("format") not in AUDIO_INPUT_FORMATS:
+            raise BadRequest(f"{where}.input_audio.format must be one of {', '.join(AUDIO_INPUT_FORMATS)}, got "
+                             f"{audio.get('format')!r}", f"{where}.input_audio.format")
+        return {"type": "audio", "audio": _b64(audio.get("data"), f"{where}.input_audio.data")}
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, Mapping) else image
+        if not isinstance(url, str) or not url:
+            raise BadRequest(f'{where}.image_url must be {{"url": "data:image/...;base64,..."}}', f"{where}.image_url")
+        if url.startswith("data:"):
+            head, sep, data = url.partition(",")
+            if not sep or not head.endswith(";base64"):
+                raise BadRequest(f"{where}.image_url.url must be a base64 data URL (data:image/png;base64,...)",
+                                 f"{where}.image_url.url")
+            return {"type": "image", "image": _b64(data, f"{where}.image_url.url")}
+        if "://" in url and not url.startswith("file://"):
+            raise BadRequest(f"{where}.image_url.url: this server does not fetch URLs; send the image as a data URL",
+                             f"{where}.image_url.url")
+        if not allow_local_files:
+            raise BadRequest(f"{where}.image_url.url: this server reads no local files (serve option "
+                             "allow_local_files); send the image as a data URL", f"{where}.image_url.url")
+        return {"type": "image", "image": url.removeprefix("file://")}
+    raise BadRequest(f"{where}.type must be text, input_audio or image_url, got {kind!r}", f"{where}.type")
+
+
+def _conversation(messages: Any, allow_local_files: bool) -> list[dict[str, Any]]:
+    """The messages in Qwen's chat format (for ``messages_key``)."""
+    _prompt_checks(messages)
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [_part(p, f"messages[{i}].content[{j}]", allow_local_files) for j, p in enumerate(content)]
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content")
+        out.append({"role": message["role"], "content": content})
+    return out
 
 
 def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +215,10 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
             404,
             "model_not_found",
         )
-    prompt = _prompt(body.get("messages"))
+    if opts["messages_key"] is None:
+        prompts = {opts["prompt_key"]: _prompt(body.get("messages"))}
+    else:
+        prompts = {opts["messages_key"]: _conversation(body.get("messages"), opts["allow_local_files"])}
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
@@ -184,7 +260,7 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     inputs = {
         **opts["inputs"],
         **(opts["audio_inputs"] if want_audio else opts["text_inputs"]),
-        opts["prompt_key"]: prompt,
+        **prompts,
     }
     if want_audio and opts["voice_key"] is not None:
         inputs[opts["voice_key"]] = voice

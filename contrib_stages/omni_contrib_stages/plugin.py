@@ -105,6 +105,12 @@ OPENAI_OPTIONS: dict[str, Option] = {
                                 nullable=True),
     "voices": Option("any", None, "a list of accepted voice names (null: any)"),
     "voice_key": Option("str", None, "the voice goes to inputs[voice_key] (null: not passed on)", nullable=True),
+    "messages_key": Option("str", None, "the whole conversation goes to inputs[messages_key], input_audio parts "
+                           "as {type: audio, audio: bytes} and image_url parts as {type: image, image: bytes}, "
+                           "instead of the last user message's text to prompt_key (null: text only)",
+                           nullable=True),
+    "allow_local_files": Option("bool", False, "image_url may name a file on the server (file:// URL or path); "
+                                "false: data URLs only"),
 }
 
 
