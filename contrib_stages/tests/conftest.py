@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from omni_core.plugins import reset_plugins
+from omni_core.testing.cuda import pytest_configure, pytest_runtest_setup  # noqa: F401 - the cuda marker
 
 HERE = Path(__file__).parent
 # The test helper modules: stage processes import them by name (they inherit sys.path).

@@ -2,9 +2,15 @@
 
 Mark a test (or a module, with ``pytestmark``) ``@pytest.mark.cuda`` or
 ``@pytest.mark.cuda(devices=2)``. Where the machine has that many CUDA devices the test runs;
-where it has not, the test is skipped, unless ``OMNI_REQUIRE_CUDA=1`` is set: then it fails, so a
-run on a GPU machine can never pass by skipping its GPU tests. Inside a test or fixture,
-:func:`require_cuda` does the same check.
+where it has not, the test is skipped, unless ``OMNI_REQUIRE_CUDA`` says the machine must have
+them: then it fails, so a run on a GPU machine can never pass by skipping its GPU tests.
+
+``OMNI_REQUIRE_CUDA=N`` (N >= 1) declares that the machine has N CUDA devices: a test that needs
+at most N devices and finds fewer fails; a test that needs more than N is skipped, its reason
+naming how many it needs (``OMNI_REQUIRE_CUDA=1`` on a one-GPU machine runs every one-GPU test
+and reports each two-GPU test as skipped, "needs 2 CUDA devices, found 1"). Unset, empty or 0:
+every GPU test without its devices is skipped. Inside a test or fixture, :func:`require_cuda`
+does the same check.
 
 Enable it in a test suite's ``conftest.py``::
 
@@ -20,9 +26,27 @@ import os
 REQUIRE_ENV = "OMNI_REQUIRE_CUDA"
 
 
+def required_devices() -> int:
+    """How many CUDA devices ``OMNI_REQUIRE_CUDA`` says this machine has (0: none required).
+
+    A value that is not a whole number >= 0 is an error naming the variable."""
+    value = os.environ.get(REQUIRE_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{REQUIRE_ENV}={value!r}: expected the number of CUDA devices this machine must have "
+                         f"(1 on a one-GPU machine; 0 or unset to skip GPU tests without CUDA)")
+    return count
+
+
 def cuda_required() -> bool:
-    """Whether ``OMNI_REQUIRE_CUDA=1``: missing CUDA fails GPU tests instead of skipping them."""
-    return os.environ.get(REQUIRE_ENV, "").strip() == "1"
+    """Whether ``OMNI_REQUIRE_CUDA`` is set to 1 or more: missing CUDA fails GPU tests instead of
+    skipping them."""
+    return required_devices() > 0
 
 
 def cuda_devices() -> int:
@@ -33,25 +57,37 @@ def cuda_devices() -> int:
 
 
 def require_cuda(devices: int = 1, why: str = "") -> None:
-    """Skip the running test unless ``devices`` CUDA devices are usable; fail instead under
-    ``OMNI_REQUIRE_CUDA=1``."""
+    """Skip the running test unless ``devices`` CUDA devices are usable; fail instead when
+    ``OMNI_REQUIRE_CUDA`` promises at least ``devices`` of them (see the module's docstring)."""
     import pytest
 
-    have = cuda_devices()
-    if have >= devices:
+    decision = cuda_decision(devices, cuda_devices(), required_devices(), why)
+    if decision is None:
         return
+    action, text = decision
+    if action == "fail":
+        pytest.fail(text, pytrace=False)
+    pytest.skip(text)
+
+
+def cuda_decision(devices: int, have: int, required: int, why: str = "") -> tuple[str, str] | None:
+    """What a test needing ``devices`` CUDA devices does on a machine with ``have`` of them when
+    ``OMNI_REQUIRE_CUDA`` is ``required``: None (it runs), ``("skip", reason)`` or
+    ``("fail", reason)``."""
+    if have >= devices:
+        return None
     text = f"needs {devices} CUDA device{'s' if devices != 1 else ''}, found {have}"
     if why:
         text += f" ({why})"
-    if cuda_required():
-        pytest.fail(f"{text}, and {REQUIRE_ENV}=1 is set", pytrace=False)
-    pytest.skip(text)
+    if required and devices <= required:
+        return "fail", f"{text}, and {REQUIRE_ENV}={required} is set"
+    return "skip", text
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
-        f"cuda(devices=1, reason=''): needs CUDA devices; skipped without them, failed under {REQUIRE_ENV}=1",
+        f"cuda(devices=1, reason=''): needs CUDA devices; skipped without them, failed under {REQUIRE_ENV}=N (N >= devices)",
     )
 
 
