@@ -115,17 +115,35 @@ class Cipher:
         self.aes = AESGCM(key)
         self.send_dir, self.recv_dir = send_dir, recv_dir
         self.sent = self.received = 0
+        self.out = bytearray()  # reused for each message's ciphertext (sent before the next)
+        self.in_place = hasattr(self.aes, "encrypt_into") and hasattr(self.aes, "decrypt_into")
 
-    def seal(self, header: bytes, data: Any) -> bytes:
+    def seal(self, header: bytes, data: Any) -> Any:
+        """``data`` encrypted, its tag appended (valid until the next call)."""
         self.sent += 1
-        return self.aes.encrypt(self.send_dir + self.sent.to_bytes(8, "little"), bytes(data), header)
+        nonce = self.send_dir + self.sent.to_bytes(8, "little")
+        if not self.in_place:
+            return self.aes.encrypt(nonce, bytes(data), header)
+        n = memoryview(data).nbytes + TAG
+        if len(self.out) < n:
+            self.out = bytearray(n)
+        view = memoryview(self.out)[:n]
+        self.aes.encrypt_into(nonce, data, header, view)
+        return view
 
-    def open(self, header: bytes, data: Any) -> bytes:
+    def open_into(self, header: bytes, data: Any, into: memoryview) -> None:
+        """Decrypt ``data`` (ciphertext and tag) into ``into``; LinkError if it fails its tag."""
         from cryptography.exceptions import InvalidTag
 
         self.received += 1
+        nonce = self.recv_dir + self.received.to_bytes(8, "little")
         try:
-            return self.aes.decrypt(self.recv_dir + self.received.to_bytes(8, "little"), bytes(data), header)
+            if self.in_place and into.nbytes:
+                self.aes.decrypt_into(nonce, data, header, into)
+            else:
+                plain = self.aes.decrypt(nonce, bytes(data), header)
+                if into.nbytes:
+                    into[:] = plain
         except InvalidTag:
             raise LinkError("a message failed its authentication tag (tampered with, or out of order)") from None
 
@@ -194,9 +212,7 @@ def read_body(sock: socket.socket, cipher: Cipher | None, header: bytes, into: m
         scratch.extend(bytes(n - len(scratch)))
     view = memoryview(scratch)[:n]
     recv_exact(sock, view)
-    plain = cipher.open(header, view)
-    if into.nbytes:
-        into[:] = plain
+    cipher.open_into(header, view, into)
 
 
 # -- the sender's end -----------------------------------------------------------------------------
