@@ -130,3 +130,26 @@ def test_a_client_without_the_secret_is_refused_and_the_sender_goes_on(pair):
             pytest.raises(wire.LinkError, match="did not prove"):
         wire.client_handshake(sock, os.urandom(32), "receiver")
     assert receiver.call(_get, bytes(first.handle)) == [tensor_record(torch.ones(5000))]
+
+
+def test_the_cipher_refuses_tampered_replayed_and_reordered_messages():
+    pytest.importorskip("cryptography")
+    key = os.urandom(32)
+    sender, receiver = wire.Cipher(key, b"s2c\x00", b"c2s\x00"), wire.Cipher(key, b"c2s\x00", b"s2c\x00")
+    header = wire.HEADER.pack(wire.DATA, 7, 1, 0, 400, 400, 400)
+    data = os.urandom(400)
+    first = bytes(sender.seal(header, data))
+    out = bytearray(400)
+    receiver.open_into(header, first, memoryview(out))
+    assert bytes(out) == data and first[:400] != data
+    second = bytearray(sender.seal(header, data))
+    second[5] ^= 1
+    with pytest.raises(wire.LinkError, match="authentication tag"):
+        receiver.open_into(header, bytes(second), memoryview(out))
+    with pytest.raises(wire.LinkError):  # replayed: the receiver's count moved on
+        receiver.open_into(header, first, memoryview(out))
+    other = wire.HEADER.pack(wire.DATA, 8, 1, 0, 400, 400, 400)
+    fresh = bytes(wire.Cipher(key, b"s2c\x00", b"c2s\x00").seal(header, data))
+    wire.Cipher(key, b"c2s\x00", b"s2c\x00").open_into(header, fresh, memoryview(out))  # the control
+    with pytest.raises(wire.LinkError):  # a header changed on the way
+        wire.Cipher(key, b"c2s\x00", b"s2c\x00").open_into(other, fresh, memoryview(out))
