@@ -122,11 +122,14 @@ def _drain(sock: socket.socket) -> bytes:
     return out
 
 
-def test_100_concurrent_requests_of_1_mib_cross_two_nodes_intact(cluster, no_leaks):
+def test_100_concurrent_requests_of_1_mib_cross_two_nodes_intact(cluster):
     """``auto`` takes ``tcp`` for both edges (head → node_a → node_b); 100 requests of a 1 MiB
     tensor in flight at once all come back intact (more than the 16 credits per target: puts
-    wait for releases, none stalls), and no relay table keeps an entry."""
+    wait for releases, none stalls), no relay table keeps an entry, and nothing outlives the
+    pipeline (actor, /dev/shm segment, runtime dir)."""
     from omni_core import Pipeline
+    from omni_core.testing.leaks import runtime_dirs, shm_segments
+    from omni_ray.testing import live_actors
 
     def stage(name, node, **fields):
         return {"name": name, "factory": "tcp_test_stages:Scale", "launch": {"resources": {node: 1}}, **fields}
@@ -154,4 +157,7 @@ def test_100_concurrent_requests_of_1_mib_cross_two_nodes_intact(cluster, no_lea
                 assert asyncio.get_running_loop().time() < deadline, f"entries left: {held}"
                 await asyncio.sleep(0.1)
 
+    dirs = runtime_dirs()
     asyncio.run(asyncio.wait_for(body(), 240))
+    wait_until(lambda: not live_actors(), 30, "every actor to be dead")
+    assert not shm_segments(os.getpid()) and runtime_dirs() == dirs
