@@ -12,9 +12,9 @@ GPU moves nothing, so it can be above 1).
 
 ``python -m bench.gpu transformers [--out DIR] [--budget S] [--shape 3b]``: the omni-transformers
 pipeline (``qwen2_5_omni``, every stage on GPU 0, thinker and talker in bfloat16) on a random
-checkpoint of realistic size written on the device (a Qwen2.5-Omni-3B-shaped thinker: 36 layers of
-2048, a 151,936-token vocabulary; a 24-layer talker; a full-size token2wav; tiny audio and vision
-encoders, the prompts being text), with 1, 16 and 64 requests in flight: text tokens per second,
+checkpoint of realistic size written on the device (4.2 B parameters: a Qwen2.5-Omni-3B-shaped
+thinker of 36 layers of 2048 and a 151,936-token vocabulary, a 24-layer talker, a full-size
+token2wav; tiny audio and vision encoders, the prompts being text), with 1, 16 and 64 requests in flight: text tokens per second,
 time to the first text chunk and to the first audio chunk. The reference is transformers' own
 ``Qwen2_5OmniForConditionalGeneration.generate`` on the same model, one request at a time in this
 process (it does not batch a spoken answer). Random weights never stop early: every answer has its
@@ -277,6 +277,9 @@ def shaped_config(shape: str):
     talker.update({k: v for k, v in s["talker"].items() if k != "mrope_section"})
     talker["embedding_size"] = text["hidden_size"]
     talker["rope_parameters"] = {**talker["rope_parameters"], "mrope_section": s["talker"]["mrope_section"]}
+    for sub in (text, talker):  # derived from the layer count: rebuilt for the new one
+        sub.pop("layer_types", None)
+        sub.pop("max_window_layers", None)
     d["token2wav_config"]["dit_config"].update(s["dit"])
     d["token2wav_config"]["bigvgan_config"].update(s["bigvgan"])
     for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
@@ -355,7 +358,8 @@ def pipeline_config(model: Path, gpu: int | None, dtype: str) -> dict:
             args["dtype"] = dtype
         if gpu is not None:
             stage["gpu"] = gpu
-    cfg.setdefault("limits", {})["request_timeout"] = 600
+    # 64 requests at once: a stream may wait long for its consumer without being stalled
+    cfg.setdefault("limits", {}).update(request_timeout=600, stream_stall_timeout=300)
     return cfg
 
 
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cuda:0 (default), or cpu to check the code on a CPU machine")
     parser.add_argument("--sizes", type=lambda s: [int(float(x) * MiB) for x in s.split(",")], default=SIZES,
                         help="relay: tensor sizes in MiB, comma-separated (default 1,4,16,64,256,1024)")
-    parser.add_argument("--per-size", type=float, default=6.0, help="relay: seconds per size and relay at most")
+    parser.add_argument("--per-size", type=float, default=4.0, help="relay: seconds per size and relay at most")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="3b", help="transformers: the checkpoint's shape")
     parser.add_argument("--dtype", default="bfloat16", help="transformers: the thinker's and talker's dtype")
     parser.add_argument("--text-tokens", type=int, default=32, help="transformers: text tokens per request")

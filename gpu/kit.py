@@ -29,7 +29,8 @@ DISTS = {
     "omni-nccl": ("plugins/omni-nccl", "omni_nccl", "plugins/omni-nccl/tests", "."),
     "omni-transformers": ("plugins/omni-transformers", "omni_transformers", "plugins/omni-transformers/tests", "."),
 }
-LEFT_OUT = {"omni-ray": "ray's wheels alone are larger than what travels to the GPU machine (64 MiB)"}
+LEFT_OUT = {"omni-ray": "ray's wheels alone are larger than what travels to the GPU machine (64 MiB)",
+            "omni-tcp": "a relay between nodes: no GPU code path, and the GPU machine is one node"}
 
 #: Requirements beyond omni's own runtime dependencies: what the GPU tests run with.
 KIT_REQUIREMENTS = ["pytest>=8", "pytest-timeout>=2.2"]
@@ -56,13 +57,14 @@ def pip_target_args() -> list[str]:
     return args
 
 
-def has_build_backend() -> bool:
-    """Whether this Python has the setuptools omni's pyproject.toml files ask for (>= 77)."""
-    try:
-        import setuptools
-    except ImportError:
-        return False
-    return int(setuptools.__version__.split(".")[0]) >= 77
+def build_python() -> str | None:
+    """A Python with the setuptools omni's pyproject.toml files ask for (>= 77): this one, else the
+    repository's .venv; None when neither has it."""
+    probe = "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)"
+    for python in (sys.executable, str(ROOT / ".venv" / "bin" / "python")):
+        if Path(python).exists() and subprocess.run([python, "-c", probe], capture_output=True).returncode == 0:
+            return python
+    return None
 
 
 def canonical(name: str) -> str:

@@ -52,9 +52,9 @@ def test_the_plan_sees_the_gpus_torch_sees_with_their_memory():
 
 def test_a_stage_larger_than_the_gpu_is_a_config_error_naming_it():
     too_big = torch.cuda.get_device_properties(0).total_memory * 2
-    cfg = load_config(chain({"name": "model", "factory": f"{STAGES}:WhereAmI", "memory": too_big, "gpu": 0}),
-                      registry=get_registry())
-    with pytest.raises(ConfigError, match="GPU 0 is over its memory budget"):
+    with pytest.raises(ConfigError, match="GPU 0 is over its memory budget"):  # while loading or planning
+        cfg = load_config(chain({"name": "model", "factory": f"{STAGES}:WhereAmI", "memory": too_big, "gpu": 0}),
+                          registry=get_registry())
         build_plan(cfg, get_registry())
 
 
