@@ -69,7 +69,10 @@ class _StderrLogger:
 
     def msg(self, message: str) -> None:
         with contextlib.suppress(ValueError, OSError):
-            print(message, file=sys.stderr, flush=True)
+            # One write for the line and its newline: with unbuffered stderr (PYTHONUNBUFFERED),
+            # print's two writes let another process's line land between them.
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
 
     log = debug = info = warning = warn = error = critical = exception = fatal = msg
 
