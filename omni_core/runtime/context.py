@@ -106,6 +106,8 @@ class StageContext:
 
     def _arrive(self, payload: Any) -> None:
         """The runtime hands over the payload of a call that started without it."""
+        if self._payload is _ENDED:  # the call returned meanwhile: nobody will read it
+            return
         self._payload = payload
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(payload)
