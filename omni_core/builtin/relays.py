@@ -9,7 +9,7 @@ from ..relay.base import RelayCapabilities
 
 #: inline's milliseconds per MiB between two nodes (tensors in CurveZMQ control messages), measured
 #: by ``python -m bench --scenario ray`` (64 MiB, docs/performance.md "Tensors across nodes").
-INLINE_MS_PER_MIB = 11.3
+INLINE_MS_PER_MIB = 13.9
 INLINE_CAPABILITIES = RelayCapabilities(
     devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0,
     ms_per_mib=INLINE_MS_PER_MIB,

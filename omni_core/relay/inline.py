@@ -139,7 +139,7 @@ class InlineRelay(Relay):
 
     name = "inline"
     capabilities = RelayCapabilities(  # as registered (omni_core.builtin.relays), cost included
-        devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0, ms_per_mib=11.3
+        devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0, ms_per_mib=13.9
     )
 
     async def put(self, request_id: int, tensors: Sequence[torch.Tensor], target: str) -> Transfer:

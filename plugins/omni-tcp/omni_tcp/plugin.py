@@ -10,9 +10,9 @@ from omni_core.relay import RelayCapabilities
 
 #: Milliseconds per MiB across nodes, from ``python -m bench --scenario ray``: the median request
 #: time of a 64 MiB tensor between two nodes of a local Ray cluster on the 2-core reference
-#: machine (load average 12 to 17), over 64; the run docs/performance.md reports ("Tensors across
+#: machine (load average 12 to 21), over 64; the run docs/performance.md reports ("Tensors across
 #: nodes"). ``omni plan`` shows it for edges that cross nodes. Rerun the bench to update it.
-MEASURED_MS_PER_MIB = 1.44
+MEASURED_MS_PER_MIB = 1.82
 
 CAPABILITIES = RelayCapabilities(
     devices=frozenset({"cpu", "cuda"}),
