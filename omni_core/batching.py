@@ -96,6 +96,14 @@ class _Waiting:
         self.arrived = arrived
 
 
+async def _cancel(worker: asyncio.Task | None) -> None:
+    """Cancel a worker task and wait until it ended (whatever it raised)."""
+    if worker is not None:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await worker
+
+
 def _is_async(fn: Callable) -> bool:
     """An ``async def`` function or method, a partial of one, or an object with an async
     ``__call__``."""
@@ -168,10 +176,7 @@ class MicroBatcher(Generic[T, R]):
             return
         self._closed = True
         worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker
+        await _cancel(worker)
         self._fail_waiting(BatcherClosed(f"batcher {self.name!r} was closed before the item was processed"))
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

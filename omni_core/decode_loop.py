@@ -69,7 +69,7 @@ owned by the loop, so the event loop is never blocked).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +77,7 @@ from typing import Any
 
 import attrs
 
-from .batching import _is_async
+from .batching import _cancel, _is_async
 
 StepFn = Callable[[list["Row"]], "Sequence[Any] | Awaitable[Sequence[Any]]"]
 
@@ -109,7 +109,8 @@ class StepError(RuntimeError):
 class DecodeStats:
     """What the loop did so far: ``steps`` called, ``rows`` stepped in all, the ``largest`` step,
     ``prefill_tokens`` run, rows ``admitted``, ``finished``, ``failed``, ``aborted``, steps that
-    raised and were run row by row (``isolations``), and how many steps had n rows (``sizes``)."""
+    raised and were run row by row (``isolations``), how many steps had n rows (``sizes``), and the
+    seconds spent in step calls (``busy_s``; per-step latency = ``busy_s / steps``)."""
 
     steps: int = 0
     rows: int = 0
@@ -121,6 +122,7 @@ class DecodeStats:
     aborted: int = 0
     isolations: int = 0
     sizes: dict[int, int] = attrs.Factory(dict)
+    busy_s: float = 0.0
 
     def record(self, size: int, prefill: int) -> None:
         self.steps += 1
@@ -345,10 +347,7 @@ class DecodeLoop:
             return
         self._closed = True
         worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker
+        await _cancel(worker)
         self._fail_all(LoopClosed(f"decode loop {self.name!r} was closed"))
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -475,13 +474,24 @@ class DecodeLoop:
             self._fail_all(StepError(f"decode loop {self.name!r} stopped: {type(exc).__name__}: {exc}"))
             raise
 
+    def _timed(self, rows: list[Row]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.step(rows)
+        finally:
+            self.stats.busy_s += time.perf_counter() - t0
+
     async def _call(self, rows: list[Row]) -> list[Any]:
         if self._async:
-            results = await self.step(rows)
+            t0 = time.perf_counter()
+            try:
+                results = await self.step(rows)
+            finally:
+                self.stats.busy_s += time.perf_counter() - t0
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{self.name}")
-            results = await self._loop.run_in_executor(self._executor, self.step, rows)
+            results = await self._loop.run_in_executor(self._executor, self._timed, rows)
         results = list(results)
         if len(results) != len(rows):
             raise StepError(f"step function of decode loop {self.name!r} returned {len(results)} results for "

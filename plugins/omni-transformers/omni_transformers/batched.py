@@ -141,3 +141,34 @@ def crop_to(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def run_rows(rows, decode, prefill) -> tuple[list, list]:
+    """The model part of a decode-loop step (``omni_core.DecodeLoop``): first ``decode(rows)``, one
+    batched forward for every decoding row, returning one output per row (the only part that may
+    raise, so it must leave nothing a retry would see differently); then ``prefill(state, start,
+    end)`` for each prompt chunk, alone (its failure is its row's). Returns ``(results, outs)``:
+    ``results[i]`` is ``NO_OUTPUT`` or row i's exception, ``outs`` the ``(i, output)`` of every row
+    that has one this step."""
+    from omni_core.decode_loop import NO_OUTPUT
+
+    results = [NO_OUTPUT] * len(rows)
+    decoding = [i for i, row in enumerate(rows) if row.prefill is None]
+    outs = list(zip(decoding, decode([rows[i] for i in decoding]), strict=True)) if decoding else []
+    for i, row in enumerate(rows):
+        if row.prefill is None:
+            continue
+        try:
+            out = prefill(row.state, *row.prefill)
+        except Exception as exc:  # this request's prompt failed: it alone
+            results[i] = exc
+            continue
+        if out is not NO_OUTPUT:
+            outs.append((i, out))
+    return results, outs
+
+
+def sample(state, logits, device):
+    """One row's next token with its own sampler (logits processors and generator)."""
+    return state.sampler(torch.tensor([state.ids], device=device), logits)
+

@@ -145,14 +145,14 @@ async def thinker_numbers(stage, in_flight: int, new_tokens: int) -> dict:
         async def emit(self, chunk):
             pass
 
-    engine = stage.engine
-    steps, busy = engine.loop.stats.steps, engine.busy
+    stats = stage.engine.loop.stats
+    steps, busy = stats.steps, stats.busy_s
     t = time.perf_counter()
     await asyncio.gather(*(stage(dict(r, max_new_tokens=new_tokens), Sink()) for r in batch_requests(in_flight)))
     wall = time.perf_counter() - t
-    steps = engine.loop.stats.steps - steps
+    steps = stats.steps - steps
     return {"in_flight": in_flight, "tokens_s": round(in_flight * new_tokens / wall, 1),
-            "step_ms": round((engine.busy - busy) / steps * 1e3, 3), "steps": steps}
+            "step_ms": round((stats.busy_s - busy) / steps * 1e3, 3), "steps": steps}
 
 
 def generate_numbers(thinker, in_flight: int, new_tokens: int) -> dict:

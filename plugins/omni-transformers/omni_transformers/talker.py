@@ -4,13 +4,12 @@ process in one forward per step."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
-from .batched import RowKV, RowsCache, crop_to, use_row_attention
+from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .common import USAGE_KEYS, request_seed
 from .models import Sampler, load_part, make_generator, resolve_model_path
 
@@ -75,38 +74,15 @@ class Talker:
         self.codec_embed = m.get_input_embeddings()
         self.loop = DecodeLoop(self.step, max_batch_size=max_batch_size, memory_budget=kv_cache_tokens,
                                max_prefill_tokens=max_prefill_tokens, name="talker")
-        #: seconds spent in step calls (per-step latency = busy / loop.stats.steps)
-        self.busy = 0.0
 
     # -- the step (worker thread) --------------------------------------------------------------
     def step(self, rows) -> list[Any]:
-        t0 = time.perf_counter()
-        try:
-            return self._step(rows)
-        finally:
-            self.busy += time.perf_counter() - t0
-
-    def _step(self, rows) -> list[Any]:
-        results: list[Any] = [NO_OUTPUT] * len(rows)
-        scores: list[tuple[int, torch.Tensor]] = []
         with torch.inference_mode():
-            decoding = [i for i, row in enumerate(rows) if row.prefill is None]
-            if decoding:  # the only part that may raise; a retry writes the same cache slots again
-                logits = self.decode([rows[i] for i in decoding])
-                scores += [(i, logits[j:j + 1]) for j, i in enumerate(decoding)]
-            for i, row in enumerate(rows):
-                if row.prefill is not None:
-                    try:
-                        out = self.prefill(row.state, *row.prefill)
-                    except Exception as exc:
-                        results[i] = exc
-                        continue
-                    if out is not NO_OUTPUT:
-                        scores.append((i, out))
-            for i, lg in scores:
+            results, outs = run_rows(rows, self._decode_rows, self.prefill)
+            for i, lg in outs:
                 state = rows[i].state
                 try:
-                    code = state.sampler(torch.tensor([state.ids], device=self.device), lg)
+                    code = sample(state, lg, self.device)
                 except Exception as exc:
                     results[i] = exc
                     continue
@@ -121,6 +97,10 @@ class Talker:
                     rows[i].finish()
                 results[i] = code
         return results
+
+    def _decode_rows(self, rows) -> list[torch.Tensor]:
+        logits = self.decode(rows)
+        return [logits[j:j + 1] for j in range(len(rows))]
 
     def _reply(self, row) -> torch.Tensor:
         """The thinker input of this decode step: the fed reply, or past the reply's end its

@@ -4,13 +4,12 @@ step what the talker needs (or, text only, the text itself)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
-from .batched import RowKV, RowsCache, crop_to, use_row_attention
+from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .common import DEFAULT_SPEAKER, omni_config, request_seed
 from .inputs import PrefillInputs, prefill_inputs
 from .models import (
@@ -71,52 +70,30 @@ class ThinkerEngine:
         self.embed_tokens = self.model.get_input_embeddings()
         self.loop = DecodeLoop(self.step, max_batch_size=max_batch_size, memory_budget=kv_cache_tokens,
                                max_prefill_tokens=max_prefill_tokens, name=name)
-        #: seconds spent in step calls, and how many (per-step latency = busy / steps)
-        self.busy = 0.0
 
     # -- the step (worker thread) --------------------------------------------------------------
     def step(self, rows) -> list[Any]:
-        t0 = time.perf_counter()
-        try:
-            return self._step(rows)
-        finally:
-            self.busy += time.perf_counter() - t0
-
-    def _step(self, rows) -> list[Any]:
-        results: list[Any] = [NO_OUTPUT] * len(rows)
-        scores: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (index, logits [1, V], talker input)
         with torch.inference_mode():
-            decoding = [i for i, row in enumerate(rows) if row.prefill is None]
-            if decoding:
-                logits, talker = self.decode([rows[i].state for i in decoding])
-                for j, i in enumerate(decoding):
-                    scores.append((i, logits[j:j + 1], talker[j].clone()))
-            for i, row in enumerate(rows):
-                if row.prefill is None:
-                    continue
-                try:
-                    out = self.prefill(row.state, *row.prefill)
-                except Exception as exc:  # this request's prompt failed: it alone
-                    results[i] = exc
-                    continue
-                if out is not NO_OUTPUT:
-                    scores.append((i, *out))
-            greedy = [(i, lg, t) for i, lg, t in scores if rows[i].state.greedy]
+            results, outs = run_rows(rows, self._decode_rows, self.prefill)
+            greedy = [(i, lg, t) for i, (lg, t) in outs if rows[i].state.greedy]
             if greedy:  # argmax is exact per row: one call for every greedy row
                 picks = torch.argmax(torch.cat([lg for _, lg, _ in greedy]), dim=-1).tolist()
                 for (i, _, talker), token in zip(greedy, picks, strict=True):
                     results[i] = self._emit(rows[i], int(token), talker)
-            for i, lg, talker in scores:
-                state = rows[i].state
-                if state.greedy:
+            for i, (lg, talker) in outs:
+                if rows[i].state.greedy:
                     continue
                 try:
-                    token = state.sampler(torch.tensor([state.ids], device=self.device), lg)
+                    token = sample(rows[i].state, lg, self.device)
                 except Exception as exc:
                     results[i] = exc
                     continue
                 results[i] = self._emit(rows[i], token, talker)
         return results
+
+    def _decode_rows(self, rows) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        logits, talker = self.decode([row.state for row in rows])
+        return [(logits[j:j + 1], talker[j].clone()) for j in range(len(rows))]
 
     @staticmethod
     def _emit(row, token: int, talker: torch.Tensor | None):
