@@ -81,8 +81,9 @@ def omni_register_relays(register):
     ``register("acme", "acme_omni.relay:AcmeRelay", capabilities=CAPS, options=SCHEMA)``.
 
     ``obj`` is a class implementing :class:`omni_core.relay.Relay`. ``capabilities`` (a
-    :class:`omni_core.relay.RelayCapabilities` or a mapping of devices, scopes, priority) say
-    which edges it can serve, so the ``auto`` backend can pick it without importing it;
+    :class:`omni_core.relay.RelayCapabilities` or a mapping of devices, scopes, priority and,
+    optionally, ms_per_mib) say which edges it can serve, so the ``auto`` backend can pick it
+    without importing it (``ms_per_mib``: its measured cost across nodes, shown by ``omni plan``);
     ``options`` is the schema of its ``relay.options``.
     """
 
