@@ -71,6 +71,8 @@ def omni_register_pipelines(register):
 APIS: tuple[tuple[str, str, str], ...] = (
     ("openai", "omni_contrib_stages.openai_api:make_routes",
      "OpenAI-compatible /v1/chat/completions (text and audio, streamed or not) and /v1/models"),
+    ("realtime", "omni_contrib_stages.realtime:make_routes",
+     "OpenAI Realtime protocol on the /v1/realtime WebSocket: voice turns, server VAD, barge-in"),
 )
 
 
@@ -114,7 +116,38 @@ OPENAI_OPTIONS: dict[str, Option] = {
 }
 
 
+#: The options schema of the ``realtime`` API (``serve.options.realtime``). Keys it shares with the
+#: ``openai`` API default to that API's options in the same config (``serve.options.openai``), so a
+#: pipeline set up for one serves both; see :mod:`omni_contrib_stages.realtime`.
+REALTIME_SHARED = ("prompt_key", "max_tokens_key", "prompt_tokens_field", "completion_tokens_field",
+                   "finish_reason_field", "inputs", "text_inputs", "audio_inputs", "text_stage", "text_only_stage",
+                   "text_field", "text_joiner", "result_text_field", "audio_stage", "audio_field", "sample_rate",
+                   "sample_rate_field", "voices", "voice_key", "messages_key")
+REALTIME_OPTIONS: dict[str, Option] = {
+    **{name: OPENAI_OPTIONS[name] for name in REALTIME_SHARED if name != "messages_key"},
+    "messages_key": Option("str", None, "the conversation goes to inputs[messages_key] in Qwen's chat format, user "
+                           "audio as {type: audio, audio: 1-D float tensor, sample_rate} (null: as text to prompt_key)",
+                           nullable=True),
+    "audio_key": Option("str", None, "without messages_key: the last user turn's audio (1-D float samples at "
+                        "input_sample_rate) goes to inputs[audio_key] (null: not passed on)", nullable=True),
+    "input_sample_rate": Option("positive_int", 16000, "the rate the pipeline takes user audio at (resampled "
+                                "from the client's 24 kHz PCM16)"),
+    "max_items": Option("positive_int", 32, "conversation items kept per session; the oldest are dropped first"),
+    "max_sessions": Option("positive_int", 16, "sessions open at once on this server; one more is refused with an "
+                           "error event"),
+    "idle_timeout": Option("positive_number", 300.0, "seconds without a client event (and no response running) "
+                           "before a session is closed"),
+    "max_buffer_seconds": Option("positive_number", 60.0, "seconds of audio the input buffer holds at most"),
+    "max_event_bytes": Option("positive_int", 4 * 1024 * 1024, "the largest client event accepted, in bytes"),
+    "default_voice": Option("str", None, "the session's voice until session.update sets one (null: the first of "
+                            "voices, else 'alloy')", nullable=True),
+}
+
+#: Each API's options schema, by API name.
+API_OPTIONS: dict[str, dict[str, Option]] = {"openai": OPENAI_OPTIONS, "realtime": REALTIME_OPTIONS}
+
+
 @omni_core.hookimpl
 def omni_register_apis(register):
     for name, target, description in APIS:
-        register(name, target, description=description, options=OPENAI_OPTIONS)
+        register(name, target, description=description, options=API_OPTIONS[name])
