@@ -177,7 +177,10 @@ def check_requirements(dists: dict[str, dict], installed, env: dict[str, str]) -
 
 # -- GPU tests -------------------------------------------------------------------------------------
 
-GPU_MARK = re.compile(r"(pytest\.mark\.cuda\b|\brequire_cuda\()")
+#: A line that marks tests ``cuda`` (a decorator, ``pytestmark = [...]`` or an item of it on a line of
+#: its own, ``needs_two = pytest.mark.cuda(...)``) or calls ``require_cuda``; the same text inside
+#: strings or comments does not count.
+GPU_MARK = re.compile(r"^\s*(@?pytest\.mark\.cuda\b|\w+\s*=\s*(\[.*)?pytest\.mark\.cuda\b|(\w+\.)*require_cuda\()", re.M)
 
 
 def gpu_test_files(root: Path = ROOT) -> dict[str, list[str]]:

@@ -113,7 +113,8 @@ def test_the_gpu_test_files_are_those_with_a_cuda_mark_or_require_cuda(tmp_path,
         "tests/test_marked.py": "@pytest.mark.cuda\ndef test_x(): pass\n",
         "tests/test_module.py": "pytestmark = [pytest.mark.timeout(5), pytest.mark.cuda(devices=2)]\n",
         "tests/test_inside.py": "def test_x():\n    require_cuda(1)\n",
-        "tests/test_cpu.py": "def test_cuda_is_mentioned_in_a_name(): pass  # cuda\n",
+        "tests/test_cpu.py": "def test_cuda_is_mentioned_in_a_name(): pass  # pytest.mark.cuda\n",
+        "tests/test_strings.py": "SUITE = {'t.py': '@pytest.mark.cuda', 'u.py': 'require_cuda(2)'}\n",
         "tests/helpers.py": "@pytest.mark.cuda\n",
         "plugins/omni-cuda-ipc/tests/test_relay.py": "pytestmark = pytest.mark.cuda(reason='x')\n",
     }.items():
@@ -129,6 +130,7 @@ def test_the_tree_s_gpu_tests_are_selected_and_cpu_only_modules_are_not(kit):
     files = kit.gpu_test_files()
     assert {"tests/test_gpu_runtime.py", "tests/test_relay_shm.py"} <= set(files["omni-core"])
     assert "tests/test_placement.py" not in files["omni-core"]
+    assert "tests/test_gpu_kit.py" not in files["omni-core"], "marks inside strings do not count"
     assert "contrib_stages/tests/test_demo_gpu.py" in files["omni-contrib-stages"]
     assert "plugins/omni-cuda-ipc/tests/test_cuda_ipc_conformance.py" in files["omni-cuda-ipc"]
     assert "omni-ray" not in files, "omni-ray does not travel to the GPU machine"
