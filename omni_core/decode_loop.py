@@ -269,7 +269,8 @@ class DecodeLoop:
     no limit). ``max_prefill_tokens``: the most prompt tokens one step runs, over all rows (None:
     each prompt in one step). ``max_pending_outputs``: a row with this many unread outputs skips
     steps until its reader catches up. ``name`` appears in errors and the worker thread's name.
-    The loop binds to the event loop of its first ``join``.
+    The loop binds to the event loop of its first ``join`` (and to a new one once that one is
+    closed: ``asyncio.run`` again).
     """
 
     def __init__(self, step: StepFn, *, max_batch_size: int = 64, memory_budget: int | None = None,
@@ -357,12 +358,17 @@ class DecodeLoop:
 
     def _bind(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._loop is not None and loop is not self._loop and self._loop.is_closed():
+            self._loop = None  # its event loop ended (asyncio.run returned): start afresh on this one
+            self._live.clear()
+            self._waiting.clear()
+            self._memory = 0
         if self._loop is None:
             self._loop = loop
             self._wake = asyncio.Event()
             self._worker = loop.create_task(self._work(), name=f"decode-loop:{self.name}")
         elif loop is not self._loop:
-            raise RuntimeError(f"decode loop {self.name!r} is bound to another event loop; create one per loop")
+            raise RuntimeError(f"decode loop {self.name!r} is bound to another running event loop; create one per loop")
 
     def _fits(self, row: Row) -> bool:
         if len(self._live) >= self.max_batch_size:

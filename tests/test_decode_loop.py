@@ -322,3 +322,11 @@ def test_bad_arguments_are_clear_errors():
     loop = DecodeLoop(lambda rows: rows)
     with pytest.raises(ValueError, match="prompt_tokens"):
         loop.join("s", prompt_tokens=-1)
+
+
+def test_a_loop_serves_again_from_a_new_event_loop_once_its_first_one_is_closed():
+    model = FakeModel()
+    loop = DecodeLoop(model, max_batch_size=4)
+    assert run(consume(loop, Req("a", 3))) == [0, 1, 2]
+    assert run(consume(loop, Req("b", 2, base=5))) == [5, 6]  # asyncio.run again: a new event loop
+    assert loop.live == 0 and loop.memory_in_use == 0
