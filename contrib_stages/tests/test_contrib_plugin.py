@@ -38,7 +38,8 @@ def test_every_registered_name_resolves_to_what_it_says(plugins):
         assert len(inspect.signature(fn).parameters) == {"merge": 1, "project_payload": 1, "route": 2}[kind]
     assert plugin.SPLIT_PARTS == functions.SPLIT_PARTS
     assert registry.names("pipeline") == ["demo"]
-    assert registry.names("api") == ["openai"] and callable(registry.resolve("api", "openai"))
+    assert registry.names("api") == ["openai", "realtime"]
+    assert callable(registry.resolve("api", "openai")) and callable(registry.resolve("api", "realtime"))
 
 
 def test_loading_the_plugin_imports_no_stage_code():
