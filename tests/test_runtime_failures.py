@@ -105,11 +105,13 @@ def test_admission_limit_raises_overloaded_not_a_queue():
 
     async def body():
         async with Pipeline(cfg) as p:
-            first = [asyncio.ensure_future(p.submit({"sleep": 0.3})) for _ in range(2)]
-            await asyncio.sleep(0.05)
+            first = [asyncio.ensure_future(p.submit({"sleep": 30}, request_id=f"r{i}")) for i in range(2)]
+            await until(lambda: len(p.requests) == 2, "the first two requests to be admitted")
             with pytest.raises(Overloaded, match="max_in_flight"):
                 await p.submit({"sleep": 0})
-            await asyncio.gather(*first)
+            for i in range(2):
+                await p.abort(f"r{i}")
+            assert all(isinstance(r, RequestAborted) for r in await asyncio.gather(*first, return_exceptions=True))
             return await p.submit({"sleep": 0})
 
     assert arun(body()) == {"sleep": 0}

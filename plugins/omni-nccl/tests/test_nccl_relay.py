@@ -154,7 +154,7 @@ def test_parked_transfer_is_delivered_to_a_late_get_and_its_send_completes_befor
     h1, h2 = (run(sender.put(i, t, "b")).handle for i, t in ((1, first), (2, second)))
     assert receiver.call(cmd.get_records, h2, []) == records(second)
     link = sender._links[("b", "cpu")]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while link.ledger.received < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert link.ledger.received == 2, "the first transfer was not taken off the link"

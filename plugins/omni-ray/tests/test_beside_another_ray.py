@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,8 @@ def other_ray(cluster):
     module's tests run. Yields ``{"address", "actor", "env"}``."""
     marker = f"OMNI_OTHER_RAY_{uuid.uuid4().hex}"
     tmp = tempfile.mkdtemp(prefix="omo", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {**os.environ, marker: "1", "RAY_TMPDIR": tmp, "RAY_USAGE_STATS_ENABLED": "0"}
+    # HOME: ~/.ray private (a Ray started by ray.init() writes an auth token there)
+    env = {**os.environ, marker: "1", "RAY_TMPDIR": tmp, "HOME": tmp, "RAY_USAGE_STATS_ENABLED": "0"}
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-c", OTHER], env=env, stdin=subprocess.PIPE,
@@ -120,13 +122,10 @@ def other_ray(cluster):
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             rest = ""
+        try:
+            wait_until(lambda: not marked_pids(marker), 60, "the other instance's processes to exit")
         finally:
-            left = marked_pids(marker)
-            if left:
-                wait_until(lambda: not marked_pids(marker), 30, "the other instance's processes to exit")
             kill_marked(marker)
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         assert "STOPPED" in rest and proc.returncode == 0, rest
 

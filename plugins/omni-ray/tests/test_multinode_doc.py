@@ -3,14 +3,19 @@ the two ``ray start`` of section 2 (a head with ``node_a``, a second node with `
 ``ray status``, section 3's ``omni plan`` and ``omni run`` of the demo across the two nodes, and
 ``ray stop``. Real subprocesses, one bash script, under a timeout.
 
-What the test changes, so that it cannot collide with any other Ray on the machine: the GCS port
-(6379 becomes a free port), ``<ip of A>`` (127.0.0.1), Ray's temp dir (``RAY_TMPDIR``, private),
-and the ports Ray would otherwise take fixed (dashboard, Ray client server, dashboard agents),
-appended to each ``ray start``. The script runs in a PID namespace of its own
-(``unshare --pid --fork --mount-proc``): ``ray stop`` there sees only this cluster's processes,
-and whatever outlives the script dies with the namespace. Without ``unshare`` the script runs
-in a session of its own and ``ray stop`` is left out; either way every process that carries
-this run's marker in its environment is killed at the end, failure included.
+What the test changes, so that it cannot collide with any other Ray on the machine:
+``<ip of A>`` (127.0.0.1), Ray's temp dir (``RAY_TMPDIR``) and ``HOME`` (private: an auth token
+that a ``ray.init()`` elsewhere wrote to ``~/.ray`` makes the head demand it from a second
+``ray start`` that does not send it). The script runs in PID and
+network namespaces of its own (``unshare --pid --net --fork --mount-proc``, loopback up): ``ray
+stop`` there sees only this cluster's processes, whatever outlives the script dies with the
+namespace, and the page's fixed ports (6379, the dashboard's, the Ray client server's, the
+dashboard agents') are this cluster's alone, so they stay as written. Where a network namespace
+cannot be made (no ``ip`` to bring loopback up), the PID namespace alone is used and those ports
+become ports free a moment before (appended to each ``ray start``, the GCS port replacing 6379):
+another process could take one in between. Without ``unshare`` at all the script runs in a
+session of its own and ``ray stop`` is left out; either way every process that carries this
+run's marker in its environment is killed at the end, failure included.
 """
 
 from __future__ import annotations
@@ -54,14 +59,19 @@ def commands(block: str) -> list[str]:
     return [line for line in lines if line.strip() and not line.lstrip().startswith("# ")]
 
 
-def can_unshare() -> bool:
+def namespaces() -> list[str]:
+    """The ``unshare`` flags this machine allows: PID and network namespaces (with ``ip`` to bring
+    loopback up), the PID namespace alone, or none."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        return False
-    probe = subprocess.run(
-        [unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
-    )
-    return probe.returncode == 0
+        return []
+    for flags, probe in ((["--pid", "--net"], "ip link set lo up"), (["--pid"], "true")):
+        if flags[-1] == "--net" and shutil.which("ip") is None:
+            continue
+        argv = [unshare, *flags, "--fork", "--mount-proc", "sh", "-c", probe]
+        if subprocess.run(argv, capture_output=True, timeout=30).returncode == 0:
+            return flags
+    return []
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -85,11 +95,19 @@ def kill_marked(marker: str) -> list[int]:
 
 
 def script(
-    install: str, start: list[str], demo: list[str], stop: bool, ports: dict[str, int]
+    install: str, start: list[str], demo: list[str], stop: bool, ports: dict[str, int] | None
 ) -> str:
-    lines = ["set -euo pipefail", "set -x"]
+    """The page's commands as one bash script; ``ports``: Ray's fixed ports replaced by these
+    (None: a network namespace of its own, the page's ports as written)."""
+    lines = ["set -euo pipefail"]
+    if ports is None:
+        lines.append("ip link set lo up")
+    lines.append("set -x")
     lines += [line for line in commands(install) if not line.startswith("pip install")]
     for line in start:
+        if ports is None:  # the page's ports, as written
+            lines.append(line.replace("<ip of A>", "127.0.0.1"))
+            continue
         if line.startswith("ray start --head"):
             line += (
                 f" --dashboard-port {ports['dashboard']} --ray-client-server-port {ports['client']}"
@@ -119,8 +137,11 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
     )
     assert "`ray stop`" in section("2. Start a cluster")
 
-    namespaced = can_unshare()
-    ports = {k: free_port() for k in ("gcs", "dashboard", "client", "agent_head", "agent_b")}
+    flags = namespaces()
+    namespaced = bool(flags)
+    ports = None
+    if "--net" not in flags:
+        ports = {k: free_port() for k in ("gcs", "dashboard", "client", "agent_head", "agent_b")}
     marker = f"OMNI_DOC_TEST_{uuid.uuid4().hex}"
     work = tempfile.mkdtemp(prefix="omr", dir="/tmp")  # short: Ray's unix sockets live under it
     os.symlink(
@@ -134,6 +155,7 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
         **os.environ,
         marker: "1",
         "RAY_TMPDIR": os.path.join(work, "tmp"),
+        "HOME": work,  # ~/.ray private: a token another Ray left there would be half used
         "TMPDIR": os.path.join(work, "tmp"),
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -142,7 +164,7 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
         env.pop(key, None)
     argv = ["bash", "page.sh"]
     if namespaced:
-        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
+        argv = ["unshare", *flags, "--fork", "--mount-proc", "--kill-child", *argv]
     proc = subprocess.Popen(
         argv,
         cwd=work,
@@ -178,7 +200,7 @@ def test_the_pages_commands_work_as_written_on_a_local_two_node_cluster(tmp_path
     assert "node_a" in status and "node_b" in status, tail
     plan = out.split("+ omni plan ", 1)[1].split("\n+ omni run", 1)[0]
     assert re.search(r"speech +machine-b", plan) and re.search(r"thinker +machine-a", plan), plan
-    assert re.search(r"thinker +talker +stream +inline +yes", plan), plan
+    assert re.search(r"thinker +talker +stream +\S+ +yes", plan), plan  # inline, or tcp where omni-tcp is installed
     run = out.split("+ omni run ", 1)[1].split("\n+ ray stop", 1)[0]
     assert '"thinker": {"text": ' in run and '"vocoder": {"wav_path": ' in run, tail
     if namespaced:
