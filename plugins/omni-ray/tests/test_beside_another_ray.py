@@ -25,6 +25,7 @@ import pytest
 import torch
 from conftest import HERE, live_actors, wait_until
 from omni_core import Pipeline
+from omni_core.testing.leaks import processes_with_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,15 +74,9 @@ asyncio.run(main())
 """
 
 
-def marked_pids(marker: str) -> list[int]:
-    """Processes whose environment carries ``marker``."""
-    found, needle = [], marker.encode()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(pid))
-    return found
+def marked_pids(marker: str) -> set[int]:
+    """Processes whose environment carries ``marker`` (set to 1)."""
+    return processes_with_env(f"{marker}=1")
 
 
 def kill_marked(marker: str) -> None:

@@ -31,6 +31,7 @@ import tempfile
 import uuid
 
 import pytest
+from omni_core.testing.leaks import processes_with_env
 
 from omni_ray.testing import free_port
 
@@ -74,20 +75,9 @@ def namespaces() -> list[str]:
     return []
 
 
-def marked_pids(marker: str) -> list[int]:
-    """Processes whose environment carries ``marker`` (every process the script started)."""
-    found = []
-    needle = marker.encode()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read():
-                    found.append(int(pid))
-    return found
-
-
 def kill_marked(marker: str) -> list[int]:
-    pids = marked_pids(marker)
+    """Kill every process whose environment carries ``marker`` (set to 1): all the script started."""
+    pids = sorted(processes_with_env(f"{marker}=1"))
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
