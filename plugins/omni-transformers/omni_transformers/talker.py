@@ -140,6 +140,10 @@ class Talker:
         return out.logits[:, -1, :]
 
     async def __call__(self, payload: dict, ctx) -> dict:
+        from omni_core import PENDING
+
+        if payload is PENDING:  # started on the thinker's first chunk (can_accept_stream_before_payload)
+            payload = await ctx.payload()
         seed = request_seed(payload)
         max_new = int(payload.get("talker_max_new_tokens") or self.max_new_tokens)
         generator = make_generator(seed, self.device)
