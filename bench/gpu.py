@@ -139,11 +139,11 @@ def shm_fit(sizes: list[int], notes: list[str]) -> tuple[list[int], dict]:
     return fit, {"slot_bytes": max(fit) if fit else MiB, "slots": 2}
 
 
-def run_relay(args: argparse.Namespace) -> dict[str, Any]:
+def run_relay(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     from omni_core import Pipeline
 
     deadline = time.monotonic() + args.budget
-    doc = common.result("gpu-relay", quick=False, parameters={"sizes": args.sizes, "device": args.device})
+    doc["parameters"].update(sizes=args.sizes, device=args.device)
     gpu = 0 if args.device.startswith("cuda") else None
     copy = DeviceCopy(args.device)
     shm_sizes, shm_options = shm_fit(args.sizes, doc["notes"])
@@ -174,8 +174,6 @@ def run_relay(args: argparse.Namespace) -> dict[str, Any]:
                 loop.run(pipeline.stop())
     for r in doc["rows"]:
         doc["ratios"][f"{r['relay']} {common.human_bytes(r['bytes'])}"] = r["ratio"]
-    doc["summary"] = relay_summary(doc)
-    return doc
 
 
 def measure(loop: common.Loop, pipeline: Any, relay: str, nbytes: int, copy: DeviceCopy, seconds: float) -> dict:
@@ -394,15 +392,14 @@ async def one_level(pipeline: Any, in_flight: int, args: argparse.Namespace) -> 
             "audio_samples": done[0]["audio_samples"], "token_ids_0": done[0]["token_ids"]}
 
 
-def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
+def run_transformers(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     import torch
 
     from omni_core import Pipeline
 
     deadline = time.monotonic() + args.budget
-    doc = common.result("gpu-transformers", quick=False, parameters={
-        "shape": args.shape, "dtype": args.dtype, "device": args.device, "text_tokens": args.text_tokens,
-        "codes": args.codes, "in_flight": args.in_flight, "prompt_tokens": len(PROMPT)})
+    doc["parameters"].update(shape=args.shape, dtype=args.dtype, device=args.device, text_tokens=args.text_tokens,
+                             codes=args.codes, in_flight=args.in_flight, prompt_tokens=len(PROMPT))
     room = Path("/dev/shm") if shutil.disk_usage("/dev/shm").free > (24 << 30) else Path(tempfile.gettempdir())
     folder = Path(tempfile.mkdtemp(prefix="omni-bench-ckpt-", dir=room))
     try:
@@ -410,6 +407,9 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         doc["checkpoint"] = {**facts, "folder": str(room)}
         common.log(f"gpu transformers: {facts['parameters'] / 1e9:.2f} B parameters ({facts['thinker_parameters'] / 1e9:.2f} B thinker) "
                    f"built in {facts['build_s']:.1f} s, written in {facts['write_s']:.1f} s")
+        if deadline - time.monotonic() < 60:
+            doc["notes"].append(f"building and writing the checkpoint left {deadline - time.monotonic():.0f} s: nothing measured")
+            return
         ref = reference(model, args, count=args.reference_requests)
         doc["reference"] = ref
         common.log(f"gpu transformers: generate {ref['request_s']['median']:.2f} s per request, {ref['tokens_per_s']:.1f} text tokens/s")
@@ -447,8 +447,6 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     for r in doc["rows"]:
         doc["ratios"][f"{r['in_flight']} in flight vs generate"] = r["vs_generate"]
-    doc["summary"] = transformers_summary(doc)
-    return doc
 
 
 def transformers_summary(doc: dict) -> str:
@@ -494,7 +492,17 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)  # beside the stage processes, on a CPU machine's few cores
     os.environ.setdefault("OMNI_LOG_LEVEL", "WARNING")
-    doc = run_relay(args) if args.part == "relay" else run_transformers(args)
+    doc = common.result(f"gpu-{args.part}", quick=False, parameters={})
+    status = 0
+    try:
+        (run_relay if args.part == "relay" else run_transformers)(args, doc)
+    except Exception:  # what was measured before is kept, with the error
+        import traceback
+
+        doc["notes"].append("failed: " + traceback.format_exc()[-3000:])
+        traceback.print_exc()
+        status = 1
+    doc["summary"] = (relay_summary if args.part == "relay" else transformers_summary)(doc)
     doc = common.clean_nans(doc)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-{args.part}.json"
@@ -503,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in doc["notes"]:
         print(f"note: {note}")
     print(f"wrote {path}")
-    return 0
+    return status
 
 
 if __name__ == "__main__":
