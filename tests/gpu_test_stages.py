@@ -24,7 +24,6 @@ class WhereAmI:
             "visible": visible,
             "current": torch.cuda.current_device() if visible else None,
             "name": torch.cuda.get_device_name(0) if visible else None,
-            "uuid": str(torch.cuda.get_device_properties(0).uuid) if visible else None,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "omni_gpu_id": os.environ.get("OMNI_GPU_ID"),
             "x_device": str(x.device),
