@@ -427,7 +427,7 @@ class DecodeLoop:
         if not row._released:
             row._released = True
             self._memory -= row.memory
-            row.state = None if row._left else row.state
+            row.state = None  # only rows that left are released: drop their model state now
             self._admit_waiting()
 
     def _poke(self) -> None:
