@@ -16,16 +16,15 @@ neither torch nor omni: they start as bare Python processes.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
-import multiprocessing.spawn
 import os
 import queue
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
+
+from omni_core._compat import without_main_module
 
 STOP = b"\x00stop"
 START_TIMEOUT = 60.0
@@ -35,27 +34,8 @@ def _spawn() -> Any:
     return mp.get_context("spawn")
 
 
-@contextlib.contextmanager
-def _bare_children() -> Iterator[None]:
-    """Spawned workers import only what their target needs: not the parent's ``__main__``
-    (multiprocessing's default re-runs it, which under pytest or a user script costs a lot)."""
-    original = mp.spawn.get_preparation_data
-
-    def prepare(name: str) -> dict:
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    mp.spawn.get_preparation_data = prepare
-    try:
-        yield
-    finally:
-        mp.spawn.get_preparation_data = original
-
-
 def _start(procs: list) -> None:
-    with _bare_children():
+    with without_main_module():  # workers import only what their target needs
         for p in procs:
             p.start()
 

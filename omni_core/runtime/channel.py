@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import zmq
 
+from .._compat import ready_queue
 from ..logs import get_logger
 from . import wire
 
@@ -204,8 +205,7 @@ class Outbox:
             self._loop = loop
             # The loop's queue of ready callbacks (asyncio's own loop); None elsewhere (uvloop):
             # then every post waits for the end of the turn.
-            ready = getattr(loop, "_ready", None)
-            self._ready = ready if isinstance(ready, deque) else None
+            self._ready = ready_queue(loop)
         return loop
 
     def post(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> asyncio.Future | None:

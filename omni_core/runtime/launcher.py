@@ -27,10 +27,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
-import multiprocessing.spawn
 import os
 from typing import Any, Protocol
 
+from .._compat import forkserver_pid, stop_forkserver, without_main_module
 from ..errors import ConfigError
 from .types import Bootstrap
 
@@ -71,26 +71,6 @@ def _passive_openmp():
         os.environ.pop("OMP_WAIT_POLICY", None)
 
 
-@contextlib.contextmanager
-def _without_main_module():
-    """Stage processes must not re-run the parent's ``__main__`` (multiprocessing's default
-    with spawn/forkserver): a user's script without an ``if __name__ == "__main__"`` guard would
-    start pipelines recursively. Everything a stage process needs is importable by name."""
-    original = multiprocessing.spawn.get_preparation_data
-
-    def prepare(name: str) -> dict:
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    multiprocessing.spawn.get_preparation_data = prepare
-    try:
-        yield
-    finally:
-        multiprocessing.spawn.get_preparation_data = original
-
-
 def _preload_option(value: Any) -> list[str]:
     if value is None:
         return []
@@ -107,16 +87,15 @@ def _ensure_forkserver(preload: list[str]) -> None:
     them and no launcher of this process is open (else the modules load in each stage process)."""
     global _forkserver_preload
     wanted = list(dict.fromkeys(PRELOAD + preload))
-    running = multiprocessing.forkserver._forkserver._forkserver_pid is not None
+    running = forkserver_pid() is not None
     if running and _forkserver_preload is not None and set(wanted) <= set(_forkserver_preload):
         return
     if running and _open_launchers == 0:
-        multiprocessing.forkserver._forkserver._stop()
-        running = False
+        running = not stop_forkserver()
     if running:
         return
     multiprocessing.forkserver.set_forkserver_preload(wanted)
-    with _passive_openmp(), _without_main_module():
+    with _passive_openmp(), without_main_module():
         multiprocessing.forkserver.ensure_running()
     _forkserver_preload = wanted
 
@@ -181,7 +160,7 @@ class LocalLauncher:
     def start(self, boot: Bootstrap) -> ProcessHandle:
         proc = self.ctx.Process(target=run_stage_process, args=(boot,), name=f"omni:{boot.process.name}",
                                 daemon=False)
-        with _without_main_module():
+        with without_main_module():
             proc.start()
         return _MpHandle(boot.process.name, proc)
 

@@ -28,6 +28,7 @@ import attrs
 from structlog.contextvars import bind_contextvars
 
 from .. import metrics, tracing
+from .._compat import EAGER_START, enter_task, leave_task
 from ..config.schema import StageConfig
 from ..errors import PluginError
 from ..logs import get_logger
@@ -65,9 +66,9 @@ class _FanIn:
 # runs in a fresh copy of the context, as a task's would, and ``asyncio.current_task()`` returns a
 # stand-in for the task to come, so ``asyncio.timeout()`` and ``TaskGroup`` work from the first
 # line; what is asked of the stand-in (a cancellation) passes to the task once there is one.
+# Making the stand-in current uses asyncio internals (omni_core/_compat.py); on a Python without
+# them, every call gets its task at once.
 
-_enter_task = asyncio.tasks._enter_task
-_leave_task = asyncio.tasks._leave_task
 _current_task = asyncio.current_task
 _TASK_CONTEXT = sys.version_info >= (3, 11)  # create_task(context=...)
 
@@ -115,14 +116,14 @@ def _first_step(coro: collections.abc.Coroutine, stand_in: _Starting, loop: asyn
     """Run ``coro`` up to its first suspension with ``stand_in`` as the current task."""
     outer = _current_task(loop)
     if outer is not None:
-        _leave_task(loop, outer)
-    _enter_task(loop, stand_in)
+        leave_task(loop, outer)
+    enter_task(loop, stand_in)
     try:
         return coro.send(None)
     finally:
-        _leave_task(loop, stand_in)
+        leave_task(loop, stand_in)
         if outer is not None:
-            _enter_task(loop, outer)
+            enter_task(loop, outer)
 
 
 class _Slots:
@@ -321,16 +322,18 @@ class StageRuntime:
         self.running[rid] = stand_in
         coro = self._run(rid, ctx, payload, inbound)
         context = contextvars.copy_context()
-        try:
-            first = context.run(_first_step, coro, stand_in, loop)
-        except StopIteration:  # finished without suspending: no task
-            self._ended(rid, stand_in, inbound)
-            return
-        except BaseException:  # pragma: no cover - _run handles every exception itself
-            log.exception("stage call failed", stage=self.name)
-            self._ended(rid, stand_in, inbound)
-            return
-        resume = Resume(coro, first)
+        resume: Any = coro  # without EAGER_START (see omni_core._compat), a task at once
+        if EAGER_START:
+            try:
+                first = context.run(_first_step, coro, stand_in, loop)
+            except StopIteration:  # finished without suspending: no task
+                self._ended(rid, stand_in, inbound)
+                return
+            except BaseException:  # pragma: no cover - _run handles every exception itself
+                log.exception("stage call failed", stage=self.name)
+                self._ended(rid, stand_in, inbound)
+                return
+            resume = Resume(coro, first)
         task = loop.create_task(resume, context=context) if _TASK_CONTEXT else context.run(loop.create_task, resume)
         stand_in.task = task
         if self.running.get(rid) is stand_in:

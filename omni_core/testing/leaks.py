@@ -13,21 +13,19 @@ machine do not interfere::
 from __future__ import annotations
 
 import glob
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import tempfile
 import time
 
 import pytest
 
+from .._compat import forkserver_pid, resource_tracker_pid
+
 
 def service_pids() -> set[int]:
     """multiprocessing's long-lived helpers in this process: the forkserver and the resource
     tracker (they serve every pipeline this process starts, and are not leaks)."""
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
-    return {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None)} - {None}
+    return {forkserver_pid(), resource_tracker_pid()} - {None}
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
