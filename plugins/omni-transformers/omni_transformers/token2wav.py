@@ -25,7 +25,9 @@ import asyncio
 import math
 from pathlib import Path
 
+import attrs
 import torch
+from omni_core.batching import MicroBatcher
 
 from .common import DEFAULT_SPEAKER, request_seed, sample_rate_of
 from .models import (
@@ -68,6 +70,12 @@ STREAM_MAX_RELATIVE_ERROR = 1e-4
 STREAM_MIN_CORRELATION = 0.9999
 
 
+#: Chunks of concurrent requests share the DiT's forward; a row of a batched matrix product may differ
+#: from the lone one in the last bits of float32, so a request's waveform beside others equals its
+#: waveform alone within this relative RMS error (the tests compare concurrent with sequential so).
+BATCHED_MAX_RELATIVE_ERROR = 1e-5
+
+
 def stream_error(streamed: torch.Tensor, unchunked: torch.Tensor) -> tuple[float, float]:
     """(relative RMS error, correlation) of a streamed waveform against the unchunked one."""
     if streamed.shape != unchunked.shape:
@@ -94,7 +102,8 @@ class Token2Wav:
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
                  wav_path: str | None = None, source: str = "talker", stream: bool = True,
                  first_chunk_codes: int = 4, chunk_growth: float = 2.0, max_chunk_codes: int = 256,
-                 lookahead_codes: int = 8, lookback_codes: int = 8, vocoder_context: int | None = None):
+                 lookahead_codes: int = 8, lookback_codes: int = 8, vocoder_context: int | None = None,
+                 max_batch_size: int = 16, max_wait: float = 0.002, stage_name: str = "token2wav"):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         if torch_dtype(dtype, torch.float32) != torch.float32:
@@ -128,6 +137,8 @@ class Token2Wav:
         if vocoder_context is None:
             vocoder_context = vocoder_receptive_field(vocoder, vocoder.config.mel_dim, self.hop, self.device)
         self.vocoder_context = int(vocoder_context)
+        # Chunks of concurrent requests share the DiT's forward (windows of one length together).
+        self.batcher = MicroBatcher(self._chunks, max_batch_size=max_batch_size, max_wait=max_wait, name=stage_name)
 
     def _aligned(self, codes: int) -> int:
         return -(-codes // self.align) * self.align
@@ -142,15 +153,17 @@ class Token2Wav:
         return sizes
 
     # -- model steps (worker threads) ---------------------------------------------------
-    def _mel(self, codes: list[int], noise: torch.Tensor, speaker: dict) -> torch.Tensor:
-        """Qwen2_5OmniToken2WavDiTModel.sample on ``codes`` from the initial ``noise`` [1, frames, mel]:
-        the mel [1, frames, mel]."""
+    def _mel(self, codes: list[list[int]], noise: torch.Tensor, speakers: list[dict]) -> torch.Tensor:
+        """Qwen2_5OmniToken2WavDiTModel.sample on each row of ``codes`` (B rows of one length) from
+        the initial ``noise`` [B, frames, mel], each with its speaker: the mel [B, frames, mel]."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         dit = self.model.code2wav_dit_model
-        code = torch.tensor([codes], dtype=torch.long, device=self.device)
-        cond = speaker["cond"].to(self.device).float().expand(1, -1)
-        ref_mel = speaker["ref_mel"].to(self.device).float().expand(1, -1, -1)
+        code = torch.tensor(codes, dtype=torch.long, device=self.device)
+        noise = noise.to(self.device)
+        cond = torch.stack([s["cond"].to(self.device).float().reshape(-1) for s in speakers])
+        ref_mel = torch.cat([s["ref_mel"].to(self.device).float().reshape(1, *s["ref_mel"].shape[-2:])
+                             for s in speakers])
         cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
         guidance = self.options["guidance_scale"]
 
@@ -171,6 +184,49 @@ class Token2Wav:
         trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
         return trajectory[-1]
 
+    def _mel_many(self, windows: list[_Window]) -> list[torch.Tensor]:
+        """The mel [frames, mel dim] of each window: windows of one length and one reference mel
+        shape run through the ODE together (their rows are computed as each alone would be)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, w in enumerate(windows):
+            ref = w.synthesis.speaker["ref_mel"]
+            groups.setdefault((len(w.codes), tuple(ref.shape)), []).append(i)
+        mels: list[torch.Tensor | None] = [None] * len(windows)
+        for members in groups.values():
+            batch = [windows[i] for i in members]
+            speakers = [w.synthesis.speaker for w in batch]
+            mel = self._mel([w.codes for w in batch], torch.stack([w.noise for w in batch]), speakers)
+            for row, i in enumerate(members):
+                mels[i] = mel[row].float()
+        return mels
+
+    def _chunks(self, items: list[tuple[ChunkedSynthesis, list[int], bool]]) -> list[torch.Tensor | Exception]:
+        """The next chunk of each request (the micro-batcher's function: a worker thread)."""
+        with torch.inference_mode():
+            windows: list = []
+            for synthesis, codes, final in items:
+                try:
+                    windows.append(synthesis.plan(codes, final))
+                except Exception as exc:  # this request's failure alone
+                    windows.append(exc)
+            ready = [w for w in windows if isinstance(w, _Window)]
+            mels = dict(zip(map(id, ready), self._mel_many(ready), strict=True)) if ready else {}
+            out: list = []
+            for w in windows:
+                if w is None:
+                    out.append(torch.zeros(0))
+                elif isinstance(w, Exception):
+                    out.append(w)
+                else:
+                    try:
+                        out.append(w.synthesis.finish(w, mels[id(w)]))
+                    except Exception as exc:
+                        out.append(exc)
+            return out
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
     def _check_length(self, n_codes: int) -> None:
         dit = self.model.code2wav_dit_model
         if n_codes * dit.repeats > dit.config.max_position_embeddings:
@@ -184,7 +240,7 @@ class Token2Wav:
             dit = self.model.code2wav_dit_model
             noise = torch.randn([1, len(codes) * dit.repeats, dit.mel_dim], dtype=torch.float32, device=self.device,
                                 generator=generator)
-            mel = self._mel(codes, noise, speaker).permute(0, 2, 1)
+            mel = self._mel([codes], noise, [speaker]).permute(0, 2, 1)
             return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
     async def __call__(self, payload: dict, ctx) -> dict:
@@ -215,7 +271,7 @@ class Token2Wav:
                     await received.wait(lambda: synthesis.ready(len(received.codes), received.finished))
                     if synthesis.ready(len(received.codes), received.finished):
                         codes, final = list(received.codes), received.finished
-                        audio = await asyncio.to_thread(synthesis.next_chunk, codes, final)
+                        audio = await self.batcher.submit((synthesis, codes, final))
                         if audio.numel():
                             await emit(audio)
                     elif received.finished:
@@ -300,6 +356,21 @@ class _Received:
             await self.changed.wait()
 
 
+@attrs.define
+class _Window:
+    """One chunk to make: the DiT window's codes and initial noise [frames, mel dim], where the
+    window starts and the chunk's own codes ``[start, end)``."""
+
+    synthesis: ChunkedSynthesis
+    codes: list[int]
+    noise: torch.Tensor
+    window_start: int
+    start: int
+    end: int
+    scheduled: bool
+    final: bool
+
+
 class ChunkedSynthesis:
     """One request's streamed synthesis: ``ready(n, final)`` says whether the next chunk can be
     made from ``n`` codes, ``next_chunk(codes, final)`` makes it (a worker thread)."""
@@ -339,7 +410,8 @@ class ChunkedSynthesis:
             self.noise = torch.randn([length, self.mel_dim], generator=generator, device=self.stage.device)
         return self.noise[:frames]
 
-    def next_chunk(self, codes: list[int], final: bool) -> torch.Tensor:
+    def plan(self, codes: list[int], final: bool) -> _Window | None:
+        """The next chunk's DiT window (None: nothing is left, the synthesis is finished)."""
         stage = self.stage
         rep, n = stage.repeats, len(codes)
         start = self.done
@@ -349,25 +421,35 @@ class ChunkedSynthesis:
         stage._check_length(window_end)
         if end <= start:
             self.finished = final
-            return torch.zeros(0)
+            return None
         window_start = max(0, start - stage.lookback_codes)
-        with torch.inference_mode():
-            noise = self._noise(window_end * rep, n * rep if final else None)[window_start * rep:]
-            mel = stage._mel(codes[window_start:window_end], noise[None], self.speaker)[0].float()
-            first, last = start * rep, end * rep  # this chunk's mel frames
-            ctx = stage.vocoder_context
-            left = self.mel[max(0, first - ctx):first]
-            right_end = min(window_end * rep, last + ctx)
-            own = mel[first - window_start * rep:right_end - window_start * rep]
-            vocoded = torch.cat([left.to(own.device), own]).T[None]
-            wave = stage.model.code2wav_bigvgan_model(vocoded).reshape(-1).float().cpu()
-            skip = left.shape[0] * stage.hop
-            audio = wave[skip:skip + (last - first) * stage.hop] if scheduled else wave[skip:]
-            self.mel = torch.cat([self.mel, own[:last - first].cpu()])
-        self.done = end
+        noise = self._noise(window_end * rep, n * rep if final else None)[window_start * rep:]
+        return _Window(self, codes[window_start:window_end], noise, window_start, start, end, scheduled, final)
+
+    def finish(self, window: _Window, mel: torch.Tensor) -> torch.Tensor:
+        """The chunk's audio from its window's mel [frames, mel dim]: vocoded with the receptive
+        field's context on each side, trimmed to the chunk's own samples."""
+        stage = self.stage
+        rep = stage.repeats
+        first, last = window.start * rep, window.end * rep  # this chunk's mel frames
+        offset = window.window_start * rep
+        ctx = stage.vocoder_context
+        left = self.mel[max(0, first - ctx):first]
+        right_end = min(offset + mel.shape[0], last + ctx)
+        own = mel[first - offset:right_end - offset]
+        vocoded = torch.cat([left.to(own.device), own]).T[None]
+        wave = stage.model.code2wav_bigvgan_model(vocoded).reshape(-1).float().cpu()
+        skip = left.shape[0] * stage.hop
+        audio = wave[skip:skip + (last - first) * stage.hop] if window.scheduled else wave[skip:]
+        self.mel = torch.cat([self.mel, own[:last - first].cpu()])
+        self.done = window.end
         self.size = min(stage.max_chunk_codes, stage._aligned(int(self.size * stage.chunk_growth)))
-        self.finished = final and not scheduled
+        self.finished = window.final and not window.scheduled
         return audio.contiguous()
+
+    def next_chunk(self, codes: list[int], final: bool) -> torch.Tensor:
+        """The next chunk's audio, computed alone (empty when nothing is left)."""
+        return self.stage._chunks([(self, codes, final)])[0]
 
 
 class WavWriter:

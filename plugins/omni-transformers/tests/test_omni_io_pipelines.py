@@ -18,6 +18,7 @@ from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
 from omni_transformers.processor import Processor
 from omni_transformers.token2wav import (
+    BATCHED_MAX_RELATIVE_ERROR,
     STREAM_MAX_RELATIVE_ERROR,
     STREAM_MIN_CORRELATION,
     stream_error,
@@ -160,7 +161,7 @@ def test_audio_and_image_requests_equal_the_thinkers_generate(name, media, think
     assert after["token_ids"] == streamed[2][1]["token_ids"] and after["codes"] == streamed[2][1]["codes"]
 
 
-def test_twenty_concurrent_mixed_requests_equal_their_sequential_results(media):
+def test_twenty_concurrent_mixed_requests_equal_their_sequential_results(media, tiny_model):
     base = cases(media)
     requests = []
     for n in range(20):
@@ -180,4 +181,4 @@ def test_twenty_concurrent_mixed_requests_equal_their_sequential_results(media):
     for n, (one, many) in enumerate(zip(sequential, concurrent, strict=True)):
         assert many["token_ids"] == one["token_ids"], n
         assert many["codes"] == one["codes"], n
-        assert torch.equal(many["audio"], one["audio"]), n
+        assert stream_error(many["audio"], one["audio"])[0] <= BATCHED_MAX_RELATIVE_ERROR, n

@@ -11,12 +11,13 @@ import time
 
 import attrs
 import pytest
-import torch
 from omni_core import Pipeline, load_config
 from omni_core.errors import StageError
 from omni_core.metrics import collect as collect_metrics
 from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
+
+from omni_transformers.token2wav import BATCHED_MAX_RELATIVE_ERROR, stream_error
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,7 +72,8 @@ async def staggered(p: Pipeline, inputs: list[dict], every: int = 4) -> list:
 def assert_same(one: dict, many: dict, n) -> None:
     assert many["token_ids"] == one["token_ids"], n
     assert many["codes"] == one["codes"], n
-    torch.testing.assert_close(many["audio"], one["audio"], rtol=0, atol=0, msg=f"request {n}")
+    # token2wav batches concurrent requests' chunks: within the last bits of float32 of alone
+    assert stream_error(many["audio"], one["audio"])[0] <= BATCHED_MAX_RELATIVE_ERROR, f"request {n}"
 
 
 async def stage_calls(p: Pipeline, want: dict[str, int]) -> dict[str, int]:

@@ -14,6 +14,7 @@ from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
 from omni_transformers.token2wav import (
+    BATCHED_MAX_RELATIVE_ERROR,
     STREAM_MAX_RELATIVE_ERROR,
     STREAM_MIN_CORRELATION,
     stream_error,
@@ -152,7 +153,7 @@ def test_pipeline_equals_generate_serves_twenty_at_once_and_survives_bad_inputs(
     for n, (one, many) in enumerate(zip(sequential, concurrent, strict=True)):
         assert many["token_ids"] == one["token_ids"], n
         assert many["codes"] == one["codes"], n
-        assert torch.equal(many["audio"], one["audio"]), n
+        assert stream_error(many["audio"], one["audio"])[0] <= BATCHED_MAX_RELATIVE_ERROR, n  # token2wav batches
     for n in (0, 7, 19):
         kwargs = {} if requests[n]["talker_do_sample"] else {"talker_do_sample": False}
         assert_equal_to_generate(sequential[n], expected(reference, tiny_model, requests[n], kwargs))
