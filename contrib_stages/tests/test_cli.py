@@ -36,7 +36,7 @@ def run_omni(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and processes_with_env(marker):
         time.sleep(0.1)
     assert not processes_with_env(marker), f"processes of `omni {' '.join(args[:2])}` left running"
