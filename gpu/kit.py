@@ -42,6 +42,37 @@ MACHINE_PYTHON = "3.12"
 PROVIDED = {"torch": "2.11.0", "numpy": "2.5.2", "tokenizers": "0.23.2", "safetensors": "0.8.0", "triton": "3.6.0"}
 #: Also read there: what a shipped wheel shadows (reported, not relied on).
 MACHINE_READ = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "accelerate": "1.15.0"}
+#: Every package the GPU machine's image holds (device docs, read 2026-11-17), versions mostly unread.
+MACHINE_NAMES = frozenset({
+    "absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc",
+    "anyio", "attrs", "botorch", "build", "certifi", "charset-normalizer", "chex", "click", "cloudpickle",
+    "cmake", "colorama", "contourpy", "coverage", "cuda-bindings", "cuda-core", "cuda-pathfinder",
+    "cuda-toolkit", "cupy-cuda13x", "cycler", "cython", "diffrax", "e3nn", "einops", "equinox", "etils",
+    "execnet", "filelock", "flatbuffers", "flax", "fonttools", "formulaic", "frozenlist", "fsspec",
+    "gpytorch", "grpcio", "h11", "h5py", "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize",
+    "hypothesis", "idna", "imageio", "iniconfig", "interface-meta", "jax", "jax-cuda13-pjrt",
+    "jax-cuda13-plugin", "jaxlib", "jaxtyping", "jinja2", "joblib", "kiwisolver", "lazy-loader",
+    "lightning", "lightning-utilities", "linear-operator", "lineax", "llvmlite", "lxml", "markdown",
+    "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py", "mpmath",
+    "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind", "narwhals", "networkx",
+    "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas", "nvidia-cuda-cupti",
+    "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile",
+    "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-ml-py",
+    "nvidia-nccl-cu13", "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir",
+    "onnxruntime", "onnxscript", "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx",
+    "optimistix", "orbax-checkpoint", "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip",
+    "pluggy", "portalocker", "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow", "pybind11",
+    "py-cpuinfo", "pygments", "pyparsing", "pyproject-hooks", "pyre-extensions", "pytest",
+    "pytest-benchmark", "pytest-cov", "pytest-mock", "pytest-timeout", "pytest-xdist", "python-dateutil",
+    "pytorch-lightning", "pyyaml", "regex", "requests", "rich", "sacrebleu", "safetensors",
+    "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn", "sentencepiece",
+    "sentence-transformers", "setuptools", "shellingham", "simplejson", "six", "sortedcontainers",
+    "statsmodels", "sympy", "tabulate", "tensorboard", "tensorboard-data-server", "tensorstore",
+    "threadpoolctl", "tifffile", "tiktoken", "timm", "tokenizers", "toolz", "torch", "torchaudio",
+    "torchdiffeq", "torch-geometric", "torchmetrics", "torchvision", "tqdm", "transformers", "treescope",
+    "triton", "typer", "typing-extensions", "typing-inspect", "urllib3", "uvloop", "wadler-lindig",
+    "werkzeug", "wheel", "wrapt", "xarray", "xxhash", "yarl", "zipp"
+})
 #: Never shipped, whatever asks for them: the machine's CUDA stack.
 NEVER = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*|cupy-.*|jax.*)$")
 
