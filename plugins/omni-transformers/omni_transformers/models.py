@@ -157,8 +157,14 @@ class TextDecoder:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.emitted = ""
+        # A fast tokenizer's own decoder gives the same text as tokenizer.decode(...,
+        # clean_up_tokenization_spaces=False) without re-checking every id on each call.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if callable(getattr(backend, "decode", None)) else None
 
     def text(self) -> str:
+        if self._backend is not None:
+            return self._backend.decode(self.ids, skip_special_tokens=True)
         return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
