@@ -69,6 +69,8 @@ def _carry_route(payload: dict, out: dict) -> dict:
 
 
 class _Encoder:
+    """What both encoders share: the tower, and a micro-batcher over the subclass's ``forward``."""
+
     kind = ""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
@@ -78,9 +80,6 @@ class _Encoder:
         self.dtype = next(self.tower.parameters()).dtype
         self.batcher = MicroBatcher(self.forward, max_batch_size=max_batch_size, max_wait=max_wait,
                                     name=stage_name or f"{self.kind}_encoder")
-
-    def forward(self, items: list) -> list:  # pragma: no cover - defined by each encoder
-        raise NotImplementedError
 
     async def close(self) -> None:
         await self.batcher.close()
