@@ -39,7 +39,8 @@ KIT_REQUIREMENTS = ["pytest>=8", "pytest-timeout>=2.2"]
 #: the packages omni relies on the machine for. Packages it holds in a version nobody read are
 #: shipped anyway (they are small): only these are taken from the machine.
 MACHINE_PYTHON = "3.12"
-PROVIDED = {"torch": "2.11.0", "numpy": "2.5.2", "tokenizers": "0.23.2", "safetensors": "0.8.0", "triton": "3.6.0"}
+PROVIDED = {"torch": "2.11.0", "torchaudio": "2.11.0", "numpy": "2.5.2", "tokenizers": "0.23.2", "safetensors": "0.8.0",
+            "triton": "3.6.0"}
 #: Also read there: what a shipped wheel shadows (reported, not relied on).
 MACHINE_READ = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "accelerate": "1.15.0"}
 #: Every package the GPU machine's image holds (device docs, read 2026-11-17), versions mostly unread.
