@@ -207,6 +207,33 @@ def check_requirements(dists: dict[str, dict], installed, env: dict[str, str]) -
     return problems
 
 
+def needed(wanted: list[str], resolved: dict[str, dict], env: dict[str, str]) -> tuple[set[str], set[str]]:
+    """What ``wanted`` (requirement strings) needs of ``resolved`` (name -> {"requires"}), not
+    walking into what the GPU machine provides: a package that needs torch (silero-vad) does not
+    bring torch's own dependencies along. ``(names to ship, names left to the machine)``."""
+    Requirement, *_ = packaging()
+    todo = [(canonical(Requirement(w).name), frozenset(Requirement(w).extras)) for w in wanted]
+    seen: set = set()
+    reach: set[str] = set()
+    left: set[str] = set()
+    while todo:
+        name, extras = todo.pop()
+        if name in PROVIDED or NEVER.match(name):
+            left.add(name)
+            continue
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        if name not in resolved:
+            raise KeyError(f"pip's resolution has no {name}, which the requirements name")
+        reach.add(name)
+        for text in resolved[name]["requires"]:
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in {"", *extras}):
+                todo.append((canonical(req.name), frozenset(req.extras)))
+    return reach, left
+
+
 # -- GPU tests -------------------------------------------------------------------------------------
 
 #: A line that marks tests ``cuda`` (a decorator, ``pytestmark = [...]`` or an item of it on a line of

@@ -167,3 +167,18 @@ def test_a_wheel_built_from_other_code_is_stale(tmp_path, kit):
     (tree / "pkg" / "__init__.py").write_text("A = 2\n")
     (tree / "pkg" / "new.py").write_text("")
     assert kit.stale_files(wheel, tree) == ["pkg/__init__.py", "pkg/new.py"]
+
+
+def test_what_only_the_machine_s_packages_need_is_not_shipped(kit):
+    resolved = {
+        "silero-vad": {"requires": ["packaging", "torch>=1.12", "onnxruntime>=1.16; extra == 'onnx-cpu'"]},
+        "packaging": {"requires": []},
+        "torch": {"requires": ["sympy", "nvidia-cudnn-cu13==9.24"]},
+        "sympy": {"requires": ["mpmath"]},
+        "mpmath": {"requires": []},
+        "uvicorn": {"requires": ["click>=7", "h11>=0.8", "uvloop; sys_platform == 'win32'", "websockets; extra == 'standard'"]},
+        "click": {"requires": []}, "h11": {"requires": []}, "websockets": {"requires": []},
+    }
+    reach, left = kit.needed(["silero-vad>=5.1", "uvicorn[standard]>=0.30"], resolved, kit.machine_environment())
+    assert reach == {"silero-vad", "packaging", "uvicorn", "click", "h11", "websockets"}
+    assert left == {"torch"}
