@@ -113,6 +113,8 @@ OPENAI_OPTIONS: dict[str, Option] = {
                            nullable=True),
     "allow_local_files": Option("bool", False, "image_url may name a file on the server (file:// URL or path); "
                                 "false: data URLs only"),
+    "system_messages": Option("bool", True, "with messages_key: system (and developer) messages are passed on; "
+                              "false: left out, for a model that needs its own system prompt"),
 }
 
 
@@ -133,6 +135,8 @@ REALTIME_OPTIONS: dict[str, Option] = {
     "input_sample_rate": Option("positive_int", 16000, "the rate the pipeline takes user audio at (resampled "
                                 "from the client's 24 kHz PCM16)"),
     "max_items": Option("positive_int", 32, "conversation items kept per session; the oldest are dropped first"),
+    "max_history_seconds": Option("positive_number", 300.0, "seconds of user audio kept in a session's "
+                                  "conversation; past it the oldest items are dropped first"),
     "max_sessions": Option("positive_int", 16, "sessions open at once on this server; one more is refused with an "
                            "error event"),
     "idle_timeout": Option("positive_number", 300.0, "seconds without a client event (and no response running) "

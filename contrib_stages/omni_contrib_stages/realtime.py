@@ -321,6 +321,7 @@ class Session:
         self.buffer_origin_ms = 0  # where the buffer starts, in session audio time
         self.audio_ms = 0  # audio appended in the whole session
         self.vad: Vad | None = None
+        self.vad_busy = False  # a worker thread runs the VAD model
         self.speech_item: str | None = None  # the item id of the speech VAD is hearing
         self.speech_start_ms = 0
         self.response: Response | None = None
@@ -390,9 +391,9 @@ class Session:
             await self._cancel_response("client_disconnected")
             with contextlib.suppress(BaseException):
                 await reader
-            if self.vad is not None:
+            if self.vad is not None and not self.vad_busy:  # a model still in a worker thread is dropped
                 VAD_MODELS.give(self.vad.model)
-                self.vad = None
+            self.vad = None
 
     async def handle(self, message: Mapping[str, Any]) -> None:
         """One client message: its event handled, or an ``error`` event."""
@@ -543,7 +544,12 @@ class Session:
         self.buffer += pcm
         self.audio_ms += len(pcm) * 1000 / (2 * RATE)
         if self.vad is not None:
-            for kind, at in await asyncio.to_thread(self.vad.feed, to_float(pcm)):
+            self.vad_busy = True
+            try:
+                heard = await asyncio.to_thread(self.vad.feed, to_float(pcm))
+            finally:
+                self.vad_busy = False
+            for kind, at in heard:
                 await (self._speech_started(at) if kind == "start" else self._speech_stopped(at))
             if self.speech_item is None:  # between turns keep only the prefix padding
                 self._trim_buffer()
@@ -608,12 +614,25 @@ class Session:
         index = len(self.items) if previous is None else self._index(previous, "previous_item_id") + 1
         self.items.insert(index, item)
         running = self.response.item if self.response is not None else None
-        while len(self.items) > self.opts["max_items"]:
-            oldest = next(i for i in self.items if i is not running)
-            self.items.remove(oldest)
+        self._bound_history(keep=running)
         await self.send("conversation.item.added", item=item.to_json(), previous_item_id=previous)
         if item.status == "completed":
             await self.send("conversation.item.done", item=item.to_json(), previous_item_id=previous)
+
+    def _bound_history(self, keep: Item | None) -> None:
+        """Drop the oldest items (never ``keep``, the running response's) while there are more than
+        ``max_items`` or their user audio is longer than ``max_history_seconds``."""
+        rate = self.opts["input_sample_rate"]
+
+        def audio_seconds() -> float:
+            return sum(p["samples"].size for i in self.items for p in i.parts if "samples" in p) / rate
+
+        while len(self.items) > 1 and (len(self.items) > self.opts["max_items"]
+                                       or audio_seconds() > self.opts["max_history_seconds"]):
+            oldest = next((i for i in self.items if i is not keep), None)
+            if oldest is None or oldest is self.items[-1]:
+                return  # the newest item stays, however long
+            self.items.remove(oldest)
 
     def _index(self, item_id: Any, param: str) -> int:
         for i, item in enumerate(self.items):
@@ -648,6 +667,7 @@ class Session:
         item = Item(item_id, role, parts)
         if index_root:
             self.items.insert(0, item)
+            self._bound_history(keep=self.response.item if self.response is not None else None)
             await self.send("conversation.item.added", item=item.to_json(), previous_item_id=None)
             await self.send("conversation.item.done", item=item.to_json(), previous_item_id=None)
         else:

@@ -258,6 +258,22 @@ def test_cancel_mid_response_aborts_it_and_keeps_what_was_sent(server):
     assert metric(server, "omni_requests_total", status="aborted") >= 1
 
 
+def test_the_history_is_bounded_oldest_first(server):
+    async def main():
+        async with connect(server) as conn:
+            await manual_session(conn)
+            for i in range(40):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": f"t{i}"}]})
+            await conn.response.create(response={"max_output_tokens": 1})
+            return await until(conn, "response.done")
+
+    done = run(main())[-1].response
+    messages = recorded(server, done.id)["messages"]
+    # max_items: the 32 newest turns reach the pipeline
+    assert [m["content"][0]["text"] for m in messages] == [f"t{i}" for i in range(8, 40)]
+
+
 # -- server VAD -------------------------------------------------------------------------------------------
 
 
