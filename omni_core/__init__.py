@@ -13,8 +13,7 @@ Public API::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .config import PipelineConfig, StageConfig, load_config
 from .errors import (
     ConfigError,

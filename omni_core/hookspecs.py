@@ -6,8 +6,8 @@ A plugin is a module (or any object) exposed through the ``omni`` entry-point gr
     acme = "acme_omni.plugin"
 
 and implements hooks with :data:`omni_core.hookimpl`. Each ``omni_register_*`` hook receives one
-``register`` callback and calls it once per thing it contributes; omni owns validation, naming and
-conflict detection. The callback's signature is::
+``register`` callback (:class:`omni_core.contracts.Register`) and calls it once per thing it
+contributes; omni owns validation, naming and conflict detection. The callback's signature is::
 
     register(name, obj, *, description=None, kind=None, capabilities=None, options=None, check=None)
 
@@ -24,7 +24,12 @@ in every process omni spawns, so they must be cheap, idempotent and free of side
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from .contracts import Register
 
 hookspec = pluggy.HookspecMarker("omni")
 
@@ -34,7 +39,7 @@ hookspec = pluggy.HookspecMarker("omni")
 
 
 @hookspec
-def omni_register_stages(register):
+def omni_register_stages(register: Register) -> None:
     """Register stage factories: ``register("acme.upper", UpperStage, description="...")``.
 
     A factory is any callable returning a stage object (an object with an async or sync
@@ -55,7 +60,7 @@ def omni_register_stages(register):
 
 
 @hookspec
-def omni_register_functions(register):
+def omni_register_functions(register: Register) -> None:
     """Register wiring functions, each with its kind:
     ``register("acme.pick", pick, kind="route", description="...")``.
 
@@ -76,7 +81,7 @@ def omni_register_functions(register):
 
 
 @hookspec
-def omni_register_relays(register):
+def omni_register_relays(register: Register) -> None:
     """Register relay backends:
     ``register("acme", "acme_omni.relay:AcmeRelay", capabilities=CAPS, options=SCHEMA)``.
 
@@ -89,7 +94,7 @@ def omni_register_relays(register):
 
 
 @hookspec
-def omni_register_placements(register):
+def omni_register_placements(register: Register) -> None:
     """Register placement strategies: ``register("pack", pack, options=SCHEMA)``.
 
     A strategy is ``fn(request: omni_core.plan.PlacementRequest) -> dict[str, list[int | None]]``
@@ -100,11 +105,12 @@ def omni_register_placements(register):
 
 
 @hookspec
-def omni_register_launchers(register):
+def omni_register_launchers(register: Register) -> None:
     """Register launchers: ``register("local", LocalLauncher, options=SCHEMA)``.
 
-    A launcher starts the planned processes and reports their liveness; see
-    :class:`omni_core.runtime.launcher.Launcher` for the protocol.
+    A launcher is a subclass of :class:`omni_core.contracts.Launcher`: it starts the planned
+    processes, each returning a :class:`omni_core.contracts.ProcessHandle`, and reports their
+    liveness; ``prepare``, ``plan_nodes`` and ``validate_launch`` are its optional capabilities.
     """
 
 
@@ -114,7 +120,7 @@ def omni_register_launchers(register):
 
 
 @hookspec
-def omni_register_pipelines(register):
+def omni_register_pipelines(register: Register) -> None:
     """Register named pipeline configs: ``register("demo", "acme_omni:demo.yaml")``.
 
     ``obj`` is a mapping, a path to a YAML/TOML file, a ``"package:resource"`` string naming a
@@ -129,11 +135,12 @@ def omni_register_pipelines(register):
 
 
 @hookspec
-def omni_register_apis(register):
+def omni_register_apis(register: Register) -> None:
     """Register HTTP APIs that ``omni serve`` can mount:
     ``register("openai", "acme_omni.api:make_routes", description="...")``.
 
-    ``obj`` is a factory ``fn(api: omni_core.serve.ApiContext) -> routes``, called once in the
+    ``obj`` is a factory (:class:`omni_core.contracts.ApiFactory`)
+    ``fn(api: omni_core.serve.ApiContext) -> routes``, called once in the
     server process once the pipeline runs; ``api.pipeline`` is the running pipeline,
     ``api.settings`` the server's settings and ``api.options`` this API's mapping from the config's
     ``serve.options``. It returns Starlette routes (a list of routes, a ``Router``) or a FastAPI

@@ -222,8 +222,8 @@ def _hook_problems(plugin: object) -> list[str]:
 def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str) -> dict[str, Any]:
     """The checked registration metadata of one entry; a class registered as an object may carry
     it as class attributes instead (``capabilities``, ``options_schema``)."""
+    from .capabilities import RelayCapabilities, as_capabilities
     from .options import as_schema
-    from .relay.base import RelayCapabilities, as_capabilities
 
     allowed = KIND_SPECS[kind].metadata
     unknown = sorted(set(given) - set(allowed))

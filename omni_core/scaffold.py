@@ -17,7 +17,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from string import Template
 
-from . import __version__
+from ._version import __version__
 from .errors import OmniError
 
 #: The kinds ``omni plugins new --kind`` knows, with what the generated plugin contributes.

@@ -76,6 +76,14 @@ def test_replicated_tp_stage_names_every_process_by_replica_and_rank(registry):
     assert plan.placement == {"llm": (0, 1, 2, 3)}
 
 
+def test_the_plan_answers_a_requests_replica_and_a_leaders_followers(registry):
+    plan = plan_for(registry, {"name": "a"}, {"name": "llm", "tp_size": 2, "replicas": 3}, gpus=6, strategy="spread")
+    assert [plan.replica("llm", rid) for rid in range(5)] == ["llm#0.0", "llm#1.0", "llm#2.0", "llm#0.0", "llm#1.0"]
+    assert {plan.replica("a", rid) for rid in range(5)} == {"a"}
+    assert plan.followers("llm#1.0") == ["llm#1.1"]
+    assert plan.followers("a") == [] and plan.followers("llm#1.1") == []
+
+
 def test_mixed_topology_shared_process_shared_gpu_and_tp(registry):
     plan = plan_for(
         registry,
@@ -147,8 +155,10 @@ def test_threads_default_to_cores_per_process_unless_the_stage_sets_them(registr
 
 def test_injected_factory_values_follow_device_and_rank(registry):
     plan = plan_for(registry, {"name": "cpu"}, {"name": "t", "tp_size": 2, "gpu": 0}, gpus=2)
-    assert plan.process("cpu").injected == {"device": "cpu", "gpu_id": None, "tp_rank": 0, "tp_size": 1}
-    assert plan.process("t.1").injected == {"device": "cuda:0", "gpu_id": 0, "tp_rank": 1, "tp_size": 2}
+    assert plan.process("cpu").injected_args("c") == {
+        "stage_name": "c", "device": "cpu", "gpu_id": None, "tp_rank": 0, "tp_size": 1, "tp_init_method": None}
+    assert plan.process("t.1").injected_args("t", "tcp://h:1") == {
+        "stage_name": "t", "device": "cuda:0", "gpu_id": 0, "tp_rank": 1, "tp_size": 2, "tp_init_method": "tcp://h:1"}
 
 
 @pytest.mark.parametrize(("value", "entries"), [

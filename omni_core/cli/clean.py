@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import LogLevel, app, err
+from .common import LogLevel, app, err
 
 
 @app.command()

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import LogLevel, app, debug_enabled, err, fail_config
+from .common import LogLevel, app, debug_enabled, err, fail_config
 
 
 class PlanFormat(str, enum.Enum):
@@ -98,12 +98,14 @@ def _with_launcher(cfg, name: str):
 
 def _on_nodes(plan, cluster: str | None):
     """The plan with a node per process when its launcher places on nodes (``plan_nodes``)."""
+    from ..contracts import launcher_class
     from ..plugins import get_registry
 
-    place = getattr(get_registry().resolve("launcher", plan.config.launcher.name), "plan_nodes", None)
-    if place is None:
+    name = plan.config.launcher.name
+    placed = launcher_class(get_registry().resolve("launcher", name), name).plan_nodes(plan, cluster)
+    if placed is None:
         if cluster is not None:
             raise LookupError(f"--cluster needs a launcher that places processes on nodes (such as ray); "
-                              f"launcher {plan.config.launcher.name!r} runs every process on this machine")
+                              f"launcher {name!r} runs every process on this machine")
         return plan
-    return place(plan, cluster)
+    return placed

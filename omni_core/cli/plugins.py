@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from . import LogLevel, err, plugins_app
+from .common import LogLevel, err, plugins_app
 
 # -- omni plugins list ---------------------------------------------------------------------------
 

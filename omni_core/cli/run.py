@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from . import LogLevel, app, debug_enabled, err
+from .common import LogLevel, app, debug_enabled, err
 
 
 def to_jsonable(value: Any, *, tensor_data: bool = False) -> Any:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import LogLevel, app, err, fail_config
+from .common import LogLevel, app, err, fail_config
 
 # -- omni validate -------------------------------------------------------------------------------
 

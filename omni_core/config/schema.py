@@ -10,6 +10,10 @@ from typing import Any, Literal
 
 import attrs
 
+#: Arguments omni passes to a stage factory that declares them, never read from ``args``; their
+#: values come from :meth:`omni_core.plan.topology.ProcessSpec.injected_args`.
+INJECTED_ARGS = ("stage_name", "device", "gpu_id", "tp_rank", "tp_size", "tp_init_method")
+
 #: Field metadata read by the validator: the range a value must be in (checked with its config path).
 POSITIVE = {"check": "positive"}
 NON_NEGATIVE = {"check": "non_negative"}

@@ -1,4 +1,4 @@
-"""Whole-graph validation of a structured config: every rule of DESIGN.md §3, every error at once.
+"""Whole-graph validation of a structured config: every rule of docs/config.md, every error at once.
 
 Each rule is a small function ``rule(cfg, ctx) -> None`` that reports through ``ctx.add(path,
 message, hint)``; :func:`validate_config` runs them all and raises one ConfigError. Names of
@@ -17,9 +17,10 @@ from typing import Any
 
 import attrs
 
+from ..contracts import launcher_class
 from ..errors import ConfigError, ConfigIssue, PluginError
 from ..registry import Registry, import_ref, is_dotted_path, signature_text
-from .schema import PipelineConfig, StageConfig
+from .schema import INJECTED_ARGS, PipelineConfig, StageConfig
 
 
 @attrs.define
@@ -348,10 +349,6 @@ def _resolvable(ctx: _Context, path: str, kind: str, ref: str | None) -> str | N
     return problem
 
 
-#: Arguments omni passes to a stage factory that declares them (DESIGN.md §4), never from ``args``.
-INJECTED_ARGS = ("stage_name", "device", "gpu_id", "tp_rank", "tp_size", "tp_init_method")
-
-
 def _imported_factory(ctx: _Context, i: int) -> Any:
     """The factory object of stage ``i`` when it can be had without side effects (registered as
     an object, or a dotted path whose module is loaded), or by importing it when the context
@@ -518,15 +515,14 @@ def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
 
 @rule
 def launch_options(cfg: PipelineConfig, ctx: _Context) -> None:
-    """A stage's ``launch:`` mapping belongs to the launcher: one with ``validate_launch(launch,
-    path)`` returns its issues (unknown keys at ``stages[i].launch.x``); others ignore it."""
+    """A stage's ``launch:`` mapping belongs to the launcher: its ``validate_launch(launch, path)``
+    returns the issues (unknown keys at ``stages[i].launch.x``; the default ignores it)."""
     if not any(s.launch for s in cfg.stages) or ctx.registry.problem("launcher", cfg.launcher.name):
         return
-    check = getattr(ctx.registry.get("launcher", cfg.launcher.name).load(), "validate_launch", None)
-    if check is not None:
-        for i, stage in enumerate(cfg.stages):
-            if stage.launch:
-                ctx.issues.extend(check(stage.launch, _sp(i, "launch")))
+    launcher = launcher_class(ctx.registry.get("launcher", cfg.launcher.name).load(), cfg.launcher.name)
+    for i, stage in enumerate(cfg.stages):
+        if stage.launch:
+            ctx.issues.extend(launcher.validate_launch(stage.launch, _sp(i, "launch")))
 
 
 def collect_issues(

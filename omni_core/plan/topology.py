@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from ..config.schema import PipelineConfig, StageConfig
+from ..capabilities import relay_capabilities
+from ..config.schema import INJECTED_ARGS, PipelineConfig, StageConfig
 from ..errors import ConfigError, ConfigIssue
-from ..registry import Registry, is_dotted_path
+from ..registry import Registry
 from .placement import (
     Device,
     GpuLoad,
@@ -77,18 +78,15 @@ class ProcessSpec:
         """The torch.distributed backend of this process's TP group (:data:`TP_BACKENDS`)."""
         return TP_BACKENDS[self.device.partition(":")[0]]
 
-    @property
-    def injected(self) -> dict[str, object]:
-        """The values the runtime passes to a stage factory that declares them by name (besides
-        ``stage_name`` and ``tp_init_method``): ``device`` (``cuda:0`` or ``cpu``), ``gpu_id``
-        (the torch index of the process's GPU, so 0, or None on the CPU), ``tp_rank``,
-        ``tp_size``."""
-        return {
-            "device": self.device,
-            "gpu_id": None if self.gpu is None else 0,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-        }
+    def injected_args(self, stage_name: str, tp_init_method: str | None = None) -> dict[str, object]:
+        """The values the runtime passes to a stage factory of this process that declares them
+        by name (:data:`~omni_core.config.schema.INJECTED_ARGS`): ``stage_name``, ``device``
+        (``cuda:0`` or ``cpu``), ``gpu_id`` (the torch index of the process's GPU, so 0, or None
+        on the CPU), ``tp_rank``, ``tp_size`` and ``tp_init_method`` (the TP group's rendezvous,
+        None without TP)."""
+        values = (stage_name, self.device, None if self.gpu is None else 0, self.tp_rank, self.tp_size,
+                  tp_init_method)
+        return dict(zip(INJECTED_ARGS, values, strict=True))
 
     def environment(self, environ: Mapping[str, str]) -> dict[str, str]:
         """The complete environment of the process: ``env`` under the operator's ``environ``
@@ -112,6 +110,12 @@ class EdgeSpec:
     #: For an edge across nodes: the milliseconds per MiB its relay's benchmark measured between
     #: two nodes (the relay's ``capabilities.ms_per_mib``), None when it declares none.
     ms_per_mib: float | None = None
+
+
+def replica_index(rid: int, replicas: int) -> int:
+    """Which of a stage's ``replicas`` serves request ``rid``: the one rule every process (the
+    coordinator and each stage's router) spreads requests by, so all agree without asking."""
+    return rid % replicas if replicas > 1 else 0
 
 
 @attrs.frozen
@@ -145,6 +149,15 @@ class Plan:
     def processes_of(self, stage: str) -> list[str]:
         """Leader processes hosting ``stage`` (one per replica), in replica order."""
         return [p.name for p in self.processes if p.is_leader and stage in p.stages]
+
+    def replica(self, stage: str, rid: int) -> str:
+        """The leader process of ``stage`` that serves request ``rid`` (:func:`replica_index`)."""
+        leaders = self.processes_of(stage)
+        return leaders[replica_index(rid, len(leaders))]
+
+    def followers(self, leader: str) -> list[str]:
+        """The TP followers of process ``leader`` (ranks 1 up of its replica), in rank order."""
+        return [p.name for p in self.processes if p.leader == leader]
 
     def group(self, name: str) -> list[ProcessSpec]:
         """Every process of the process group ``name`` (replicas and TP ranks), in order."""
@@ -442,10 +455,7 @@ def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) 
     the tcp control plane, unless a network relay plugin ranks higher)."""
     relay_cfg = src.relay or cfg.relay
     if relay_cfg.backend != "auto":
-        backend = relay_cfg.backend  # its registration's word on scopes, else its class's
-        caps = None if is_dotted_path(backend) else registry.get("relay", backend).capabilities
-        if caps is None:
-            caps = getattr(registry.resolve("relay", relay_cfg.backend), "capabilities", None)
+        caps = relay_capabilities(registry, relay_cfg.backend)  # registration's word, else class's
         if caps is None or "cluster" not in caps.scopes:
             path = f"stages[{cfg.stage_names.index(src.name)}].relay" if src.relay else "relay"
             raise ConfigError([ConfigIssue(
@@ -462,10 +472,8 @@ def cross_node_relay(cfg: PipelineConfig, src: StageConfig, registry: Registry) 
 
 def _cost(registry: Registry, relay: str) -> float | None:
     """The measured cost per MiB across nodes that ``relay`` declared at registration."""
-    if is_dotted_path(relay):
-        return None
-    caps = registry.get("relay", relay).capabilities
-    return getattr(caps, "ms_per_mib", None)
+    caps = relay_capabilities(registry, relay)
+    return None if caps is None else caps.ms_per_mib
 
 
 def place_on_nodes(plan: Plan, nodes: Mapping[str, str], registry: Registry) -> Plan:

@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from .base import InvalidHandle
-from .inline import _DTYPES
+from .dtypes import DTYPES
 
 MAX_DIMS = 64
 MAX_TENSORS = 1 << 16
@@ -57,7 +57,7 @@ def tensor_specs(dtypes: Sequence[Any], shapes: Sequence[Any], relay: str,
                 f"{relay} relay: handle declares {count} dtypes but {len(values)} {name}")
     out = []
     for i, (dt, shape) in enumerate(zip(dtypes, shapes, strict=True)):
-        dtype = _DTYPES.get(dt) if isinstance(dt, str) else None
+        dtype = DTYPES.get(dt) if isinstance(dt, str) else None
         if dtype is None:
             raise InvalidHandle(f"{relay} relay: tensor {i} has unsupported dtype {dt!r}")
         if len(shape) > MAX_DIMS or not all(

@@ -16,7 +16,12 @@ from typing import Any
 import msgspec
 import torch
 
-from .base import InvalidHandle, Relay, RelayCapabilities, Transfer
+from .base import InvalidHandle, Relay, Transfer
+
+# the dtype table lived here; its names stay importable from this module
+from .dtypes import DTYPES as _DTYPES  # noqa: F401
+from .dtypes import dtype_from_name, dtype_name  # noqa: F401
+from .specs import INLINE_CAPABILITIES
 
 # Received frames are ours alone (zmq hands each receiver its own buffer), so a tensor viewing one
 # may be written to; torch's warning about non-writable buffers does not apply.
@@ -30,25 +35,6 @@ class _Meta(msgspec.Struct, array_like=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Meta).decode
-
-# Byte views need a dtype of the same size to reinterpret; bool and complex go through uint8.
-_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
-)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported tensor dtype {name!r}") from None
-
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (made contiguous first when it is not)."""
@@ -138,9 +124,7 @@ class InlineRelay(Relay):
     """Tensors as extra zmq frames: no shared state, nothing to clean up."""
 
     name = "inline"
-    capabilities = RelayCapabilities(  # as registered (omni_core.builtin.relays), cost included
-        devices=frozenset({"cpu", "cuda"}), scopes=frozenset({"node", "cluster"}), priority=0, ms_per_mib=13.9
-    )
+    capabilities = INLINE_CAPABILITIES  # as registered (omni_core.builtin.relays)
 
     async def put(self, request_id: int, tensors: Sequence[torch.Tensor], target: str) -> Transfer:
         return inline_transfer(tensors)

@@ -52,10 +52,10 @@ import attrs
 import msgspec
 import torch
 
-from ..builtin.relays import SHM_CAPABILITIES, SHM_OPTIONS
 from . import checks
 from .base import InvalidHandle, Relay, RelayContext, Transfer
-from .inline import _DTYPES, dtype_from_name, dtype_name, inline_tensors, inline_transfer
+from .dtypes import DTYPES, dtype_from_name, dtype_name
+from .inline import inline_tensors, inline_transfer
 from .kit import CreditWait, dead_wait_text, receiver_text, relay_options, wait_for_credit
 from .shm_segment import (
     ONEOFF,
@@ -68,6 +68,7 @@ from .shm_segment import (
     segment_name,
     sweep,
 )
+from .specs import SHM_CAPABILITIES, SHM_OPTIONS
 
 __all__ = ["ShmRelay", "ShmRelayError"]
 
@@ -87,7 +88,7 @@ class _Handle(msgspec.Struct, array_like=True):
     shapes: list[list[int]]
 
 
-_DTYPE_NAMES = {dt: dtype_name(dt) for dt in _DTYPES.values()}
+_DTYPE_NAMES = {dt: dtype_name(dt) for dt in DTYPES.values()}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Handle).decode
 

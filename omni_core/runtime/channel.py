@@ -7,7 +7,7 @@ below).
 
 The inbox is read from the asyncio loop without a future per message: the socket's FD is watched
 with ``loop.add_reader`` and every message that is ready is drained and handed to a synchronous
-callback (batching what is ready, §9). Sends are non-blocking; if a peer's queue is full the send
+callback (batching what is ready, docs/performance.md). Sends are non-blocking; if a peer's queue is full the send
 waits for room, so memory stays bounded. Messages posted while other callbacks of the same loop
 turn are still ready leave together at the end of the turn: a burst of sends wakes the zmq I/O
 thread once rather than once per message (on a machine with few cores each wake-up is a context

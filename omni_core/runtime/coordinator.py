@@ -31,7 +31,7 @@ from ..errors import (
     StageError,
 )
 from ..logs import get_logger
-from ..plan.topology import Plan
+from ..plan.topology import Plan, replica_index
 from ..registry import Registry
 from ..relay.base import Relay, RelayContext
 from ..relay.inline import InlineRelay
@@ -39,7 +39,7 @@ from ..relay.payload import pack, unpack
 from . import wire
 from .ordered import OrderedDelivery
 from .requests import Event, Graph, Request
-from .types import CALLER_RELAY
+from .types import CALLER_RELAY, WiringError, chosen_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runner import Runner
@@ -77,18 +77,14 @@ class Coordinator:
             self._terminal_fn = self.registry.resolve("terminal_stages", cfg.terminal_stages_fn)
         stateful_stages = {s.name for s in cfg.stages if s.wait_for or any(s.name in o.stream_to for o in cfg.stages)}
         self._stateful = [p.name for p in plan.leaders() if stateful_stages & set(p.stages)]
-        followers: dict[str, list[str]] = {}
-        for proc in plan.processes:
-            if proc.leader is not None:
-                followers.setdefault(proc.leader, []).append(proc.name)
         for stage in cfg.stages:
-            self._uses[stage.name] = [[leader, *followers.get(leader, [])] for leader in plan.processes_of(stage.name)]
+            self._uses[stage.name] = [[leader, *plan.followers(leader)] for leader in plan.processes_of(stage.name)]
 
     def processes_of(self, rid: int) -> set[str]:
         """Every process request ``rid`` may use."""
         out: set[str] = set()
         for replicas in self._uses.values():
-            out.update(replicas[rid % len(replicas)])
+            out.update(replicas[replica_index(rid, len(replicas))])
         return out
 
     # -- admission -------------------------------------------------------------------------------
@@ -135,14 +131,12 @@ class Coordinator:
         except Exception as exc:
             raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id, error_type=type(exc).__name__,
                              traceback="".join(traceback.format_exception(exc))) from None
-        if answer is None:
-            return set(terminals)
-        names = [answer] if isinstance(answer, str) else list(answer)
-        bad = [n for n in names if n not in terminals]
-        if bad or not names:
-            raise StageError(f"terminal_stages_fn {fn_name!r} returned {answer!r}; expected a non-empty subset of {terminals}",
-                             stage="terminal_stages_fn", request_id=request_id, error_type="WiringError")
-        return set(names)
+        try:
+            return set(chosen_names(answer, tuple(terminals), f"terminal_stages_fn {fn_name!r}",
+                                    none_is_all=True, empty_ok=False))
+        except WiringError as exc:
+            raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id,
+                             error_type="WiringError") from None
 
     def _on_deadline(self) -> None:
         """The one timer of the requests' deadlines: they come in admission (rid) order, since
@@ -178,7 +172,7 @@ class Coordinator:
     async def _send_inputs(self, req: Request, inputs: Any) -> None:
         runner = self.runner
         entry = self.config.entry
-        leaders = self._uses[entry][req.rid % len(self._uses[entry])]
+        leaders = self._uses[entry][replica_index(req.rid, len(self._uses[entry]))]
         address = runner.addresses[leaders[0]]
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         if tensors:

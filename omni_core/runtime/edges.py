@@ -20,10 +20,11 @@ from typing import Any
 import msgspec
 
 from .. import metrics
+from ..capabilities import relay_capabilities
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
-from ..relay.base import InvalidHandle, Relay, RelayContext, as_capabilities
+from ..relay.base import InvalidHandle, Relay, RelayContext
 from ..relay.inline import InlineRelay
 from ..relay.lifetime import detach, lent_storages, storage_key
 from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
@@ -97,13 +98,12 @@ class Edges:
         relay = self.relays.get(relay_name) or self.relay(relay_name)
         devices = self._devices.get(relay_name)
         if devices is None:  # what it can move: its registration's word, else its class's
-            entry = self.registry.get("relay", relay_name) if relay_name != CALLER_RELAY else None
-            declared = getattr(entry, "capabilities", None) if entry is not None else None
-            devices = self._devices[relay_name] = (as_capabilities(declared) if declared else relay.capabilities).devices
+            caps = relay_capabilities(self.registry if relay_name != CALLER_RELAY else None, relay_name, relay)
+            devices = self._devices[relay_name] = caps.devices if caps is not None else frozenset({"cpu"})
         if all(t.device.type in devices for t in tensors):
             transfer = await relay.put(rid, tensors, target)
-            frames = transfer.frames
-            return relay_name, transfer.handle, frames if type(frames) is list else list(frames)
+            sent = transfer.frames
+            return relay_name, transfer.handle, sent if type(sent) is list else list(sent)
         fits = [i for i, t in enumerate(tensors) if t.device.type in devices]
         fitting = set(fits)
         rest = [i for i in range(len(tensors)) if i not in fitting]
@@ -117,7 +117,7 @@ class Edges:
             split.handles.append(transfer.handle)
             split.counts.append(len(transfer.frames))
             split.index.append(index)
-            frames += transfer.frames
+            frames += list(transfer.frames)
         return SPLIT_RELAY, _encode_split(split), frames
 
     # -- in -------------------------------------------------------------------------------------

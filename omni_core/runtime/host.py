@@ -22,7 +22,6 @@ import zmq
 from .. import metrics, tracing
 from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
-from ..config.validate import INJECTED_ARGS
 from ..errors import ConfigError
 from ..logs import get_logger
 from ..plan.topology import ProcessSpec
@@ -43,8 +42,7 @@ __all__ = ["Bootstrap", "Host"]
 
 
 def _inject(factory: Any, spec: ProcessSpec, stage: StageConfig, tp_init_method: str | None) -> dict[str, Any]:
-    values = (stage.name, spec.device, None if spec.gpu is None else 0, spec.tp_rank, spec.tp_size, tp_init_method)
-    injectable = dict(zip(INJECTED_ARGS, values, strict=True))
+    injectable = spec.injected_args(stage.name, tp_init_method)
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):

@@ -1,25 +1,10 @@
 """Launchers start stage processes and report their liveness; the runner never knows which one
 it uses. omni-core's ``local`` launcher runs them on this machine with multiprocessing.
 
-A launcher is a class registered with ``omni_register_launchers``::
-
-    class MyLauncher:
-        def __init__(self, options: dict): ...
-        def start(self, boot: Bootstrap) -> ProcessHandle: ...   # run host.main(boot) somewhere
-        def close(self) -> None: ...
-
-A :class:`ProcessHandle` gives ``name``, ``pid``, ``sentinel`` (an fd readable once the process
-ended), ``exitcode`` (None while alive; negative: killed by that signal), ``terminate()``,
-``kill()`` and ``join(timeout)``; optionally ``describe_exit()``, a sentence on how it ended
-(where it ran, the reason its launcher gives) that ``ProcessDied`` quotes.
-
-Optional, for launchers that span machines: ``prepare(plan, run_id, runtime_dir, endpoints)``
-is called once before any ``start``; it places every process, binds the inboxes that need tcp
-(:func:`omni_core.runtime.channel.bind_inbox`) and returns ``(plan, views)``: the plan with the
-edges that cross nodes marked (``omni_core.plan.topology.place_on_nodes``) and the address map
-of the coordinator (key ``""``) and of each process (``omni_core.plan.topology.endpoint_views``). A class attribute
-``validate_launch(launch, path) -> list[ConfigIssue]`` checks each stage's ``launch:`` mapping at
-config time.
+A launcher is a subclass of :class:`omni_core.contracts.Launcher` registered with
+``omni_register_launchers``: ``start(boot)`` returns a :class:`omni_core.contracts.ProcessHandle`,
+``close()`` ends it; ``prepare``, ``plan_nodes`` and ``validate_launch`` are its optional
+capabilities (see there). This module holds the ``local`` launcher and the forkserver it uses.
 """
 
 from __future__ import annotations
@@ -28,9 +13,10 @@ import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
-from typing import Any, Protocol
+from typing import Any
 
 from .._compat import forkserver_pid, stop_forkserver, without_main_module
+from ..contracts import Launcher, ProcessHandle
 from ..errors import ConfigError
 from .types import Bootstrap
 
@@ -43,24 +29,10 @@ _forkserver_preload: list[str] | None = None
 _open_launchers = 0
 
 
-class ProcessHandle(Protocol):
-    name: str
-
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def sentinel(self) -> int: ...
-    @property
-    def exitcode(self) -> int | None: ...
-    def terminate(self) -> None: ...
-    def kill(self) -> None: ...
-    def join(self, timeout: float | None = None) -> None: ...
-
-
 @contextlib.contextmanager
 def _passive_openmp():
     """Start the forkserver with OMP_WAIT_POLICY=PASSIVE unless the operator chose otherwise:
-    OpenMP reads it once when torch loads, and spinning workers starve sibling processes (§9)."""
+    OpenMP reads it once when torch loads, and spinning workers starve sibling processes (docs/performance.md)."""
     if "OMP_WAIT_POLICY" in os.environ:
         yield
         return
@@ -128,7 +100,7 @@ def prestart(launcher: str, options: Any) -> bool:
     return True
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Stage processes on this machine: a forkserver that preloaded torch and omni (default), or
     plain ``spawn`` (``launcher: {name: local, options: {start_method: spawn}}``). Never fork.
 
@@ -171,7 +143,7 @@ class LocalLauncher:
             _open_launchers -= 1
 
 
-class _MpHandle:
+class _MpHandle(ProcessHandle):
     def __init__(self, name: str, proc: multiprocessing.process.BaseProcess):
         self.name = name
         self.proc = proc

@@ -10,14 +10,14 @@ relayed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..plan.topology import OBJECT_RELAY
+from ..plan.topology import OBJECT_RELAY, replica_index
 from ..relay.payload import pack
 from . import wire
 from .flow import Windows
-from .types import ALL_TARGETS, CALLER_RELAY, Inbound, WiringError
+from .types import CALLER_RELAY, Inbound, WiringError, chosen_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
@@ -25,19 +25,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: The consumer name of the caller's stream in a window key.
 CALLER = ""
-
-
-def target_names(answer: Any, allowed: tuple[str, ...], what: str) -> list[str]:
-    """Normalise a route/stream_done answer to a list of names from ``allowed``."""
-    if answer == ALL_TARGETS:
-        return list(allowed)
-    names = [answer] if isinstance(answer, str) else answer
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise WiringError(f"{what} returned {answer!r}; expected a stage name or a list of names from {list(allowed)}")
-    unknown = [n for n in names if n not in allowed]
-    if unknown:
-        raise WiringError(f"{what} returned {unknown} which {'is' if len(unknown) == 1 else 'are'} not in {list(allowed)}")
-    return list(dict.fromkeys(names))
 
 
 class Router:
@@ -55,7 +42,7 @@ class Router:
 
     def address(self, stage: str, rid: int) -> str:
         addrs = self._addresses_of[stage]
-        return addrs[rid % len(addrs)] if len(addrs) > 1 else addrs[0]
+        return addrs[replica_index(rid, len(addrs))] if len(addrs) > 1 else addrs[0]
 
     async def send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
                         address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
@@ -72,7 +59,7 @@ class Router:
                 await fut
 
     async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
-                       targets: list[str], payloads: Mapping[str, Any] | None, value: Any = None) -> None:
+                       targets: Sequence[str], payloads: Mapping[str, Any] | None, value: Any = None) -> None:
         """Send each target its payload (``payloads[target]``, or ``value`` for all when
         ``payloads`` is None): objects to stages of this process (a private copy for all but the
         last), packed once and relayed to the others."""
@@ -92,7 +79,7 @@ class Router:
                 entry = packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
             skeleton, tensors = entry
             addrs = self._addresses_of[target]
-            address = addrs[rid % len(addrs)] if len(addrs) > 1 else addrs[0]
+            address = addrs[replica_index(rid, len(addrs))] if len(addrs) > 1 else addrs[0]
             await self.send_data(kind, rid, request_id, name, target, address, relay, skeleton, tensors)
         if not local:
             return
@@ -126,13 +113,13 @@ class Router:
             return
         targets = list(cfg.next)
         if fns.route is not None:
-            targets = target_names(fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
+            targets = chosen_names(fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
         project = fns.project
         payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else None
         done_to = list(cfg.stream_to)
         if cfg.stream_to and fns.stream_done is not None:
             answer = fns.stream_done(request_id, result)
-            done_to = [] if answer is None else target_names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
+            done_to = [] if answer is None else chosen_names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
         host = self.host
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)

@@ -25,11 +25,12 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from ..config import PipelineConfig, to_dict
+from ..contracts import ProcessHandle, launcher_class
 from ..errors import PipelineClosed, ProcessDied, ProcessHung, StartupError
 from ..logs import get_logger
 from ..plan.topology import OBJECT_RELAY, Plan, endpoints
@@ -37,9 +38,6 @@ from ..registry import Registry
 from . import wire
 from .channel import Inbox, Outbox
 from .types import CALLER_RELAY, Bootstrap
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .launcher import ProcessHandle
 
 RUNTIME_DIR_PREFIX = "omni-run-"
 
@@ -224,7 +222,7 @@ class Runner:
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
         os.chmod(self.runtime_dir, 0o700)
-        launcher_cls = self.registry.resolve("launcher", cfg.launcher.name)
+        launcher_cls = launcher_class(self.registry.resolve("launcher", cfg.launcher.name), cfg.launcher.name)
         self.launcher = launcher_cls(dict(cfg.launcher.options))
         plan, views = self._place(plan)
         self.plan = plan
@@ -247,7 +245,7 @@ class Runner:
                 edge_relays=edge_relays,
                 env=spec.environment(os.environ),
                 parent_pid=os.getpid(),
-                followers=tuple(p.name for p in plan.processes if p.leader == spec.name),
+                followers=tuple(plan.followers(spec.name)),
                 cwd=os.getcwd(),
             )
         for edge in plan.edges:
@@ -263,9 +261,9 @@ class Runner:
         with ``prepare`` (one that spans machines) places the processes, binds tcp inboxes where
         a sender is on another node, and returns the plan with the edges that cross nodes marked
         (their relays chosen for it) plus each process's view."""
-        prepare = getattr(self.launcher, "prepare", None)
-        if prepare is not None:
-            return prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
+        placed = self.launcher.prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
+        if placed is not None:
+            return placed
         addresses = dict(endpoints(plan, self.runtime_dir))
         return plan, dict.fromkeys(["", *(p.name for p in plan.processes)], addresses)
 
@@ -373,7 +371,7 @@ class Runner:
         replica), or the process alone."""
         spec = self.boots[name].process
         leader = spec.leader or spec.name
-        return [n for n, b in self.boots.items() if n == leader or b.process.leader == leader]
+        return [leader, *self.boots[leader].followers]
 
     def _on_exit(self, name: str, handle: ProcessHandle) -> None:
         with contextlib.suppress(Exception):
@@ -382,7 +380,7 @@ class Runner:
         if self.handles.get(name) is not handle:
             return  # a process of an earlier generation
         code = handle.exitcode
-        reason = handle.describe_exit() if hasattr(handle, "describe_exit") else None  # e.g. Ray's cause and node
+        reason = handle.describe_exit()  # e.g. Ray's cause and node
         stages = self.boots[name].process.stages
         ready = self._ready.get(name)
         if ready is not None and not ready.done():

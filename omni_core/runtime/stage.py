@@ -35,7 +35,7 @@ from ..logs import get_logger
 from .context import PENDING, StageContext
 from .flow import Grant, StreamBuffer, StreamClosed
 from .ordered import Resume
-from .types import Inbound, StageFunctions, WiringError
+from .types import Inbound, StageFunctions, WiringError, chosen_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .host import Host
@@ -258,14 +258,7 @@ class StageRuntime:
         answer = self.fns.wait_for(request_id, src, payload)
         if answer is None:
             return None
-        names = [answer] if isinstance(answer, str) else list(answer)
-        unknown = [n for n in names if n not in self.cfg.wait_for]
-        if unknown or not all(isinstance(n, str) for n in names):
-            raise WiringError(
-                f"wait_for_fn {self.cfg.wait_for_fn!r} of stage {self.name!r} returned {answer!r}; "
-                f"it must return a subset of wait_for {list(self.cfg.wait_for)} or None"
-            )
-        return names
+        return chosen_names(answer, self.cfg.wait_for, f"wait_for_fn {self.cfg.wait_for_fn!r} of stage {self.name!r}")
 
     def on_chunk(self, rid: int, request_id: str, src: str, chunk: Any, inbound: Inbound | None, grant: Grant | None) -> None:
         """A stream chunk from ``src`` arrived for request ``rid``. ``grant`` gives its credit

@@ -4,7 +4,7 @@ the parent never imports the child's main and the runtime has no import circle."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -23,6 +23,28 @@ ALL_TARGETS = "*"
 
 class WiringError(Exception):
     """A user function broke its contract (returned an unknown stage, a wrong type, ...)."""
+
+
+def chosen_names(answer: Any, allowed: Sequence[str], what: str, *,
+                 none_is_all: bool = False, empty_ok: bool = True) -> list[str]:
+    """The one check of the stage names a user function returned (``route``, ``stream_done_to``,
+    ``wait_for``, ``terminal_stages``): a name, a list or tuple of names, or ``"*"`` for all of
+    ``allowed``; None means all of them where ``none_is_all``, an empty answer is refused unless
+    ``empty_ok``. Returns the names in the order given, without repeats; raises
+    :class:`WiringError` naming ``what`` for anything else."""
+    if answer == ALL_TARGETS or (answer is None and none_is_all):
+        return list(allowed)
+    names = [answer] if isinstance(answer, str) else answer
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in names):
+        raise WiringError(f"{what} returned {answer!r}; expected a stage name or a list of names "
+                          f"from {list(allowed)}" + (" (or None for all)" if none_is_all else ""))
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise WiringError(f"{what} returned {unknown} which {'is' if len(unknown) == 1 else 'are'} "
+                          f"not in {list(allowed)}")
+    if not names and not empty_ok:
+        raise WiringError(f"{what} returned {answer!r}; expected at least one of {list(allowed)}")
+    return list(dict.fromkeys(names))
 
 
 @attrs.frozen
@@ -52,9 +74,9 @@ class Inbound:
 
     __slots__ = ("releases", "storages")
 
-    def __init__(self, releases: list[Callable[[], None]] | None = None, storages: set[int] | None = None):
+    def __init__(self, releases: list[Callable[[], None]] | None = None, storages: set[Any] | None = None):
         self.releases: list[Callable[[], None]] = [] if releases is None else releases
-        self.storages: set[int] = set() if storages is None else storages
+        self.storages: set[Any] = set() if storages is None else storages  # relay.lifetime StorageKeys
 
     def merge(self, other: Inbound) -> None:
         self.releases += other.releases

@@ -25,7 +25,7 @@ from .._compat import forkserver_pid, resource_tracker_pid
 def service_pids() -> set[int]:
     """multiprocessing's long-lived helpers in this process: the forkserver and the resource
     tracker (they serve every pipeline this process starts, and are not leaks)."""
-    return {forkserver_pid(), resource_tracker_pid()} - {None}
+    return {pid for pid in (forkserver_pid(), resource_tracker_pid()) if pid is not None}
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

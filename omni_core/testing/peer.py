@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from ..relay.base import Relay, RelayContext
-from ..relay.inline import dtype_name
+from ..relay.dtypes import dtype_name
 
 
 def tensor_record(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:

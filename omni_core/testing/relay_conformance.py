@@ -17,7 +17,7 @@ control messages. Every test closes its relays and then checks that nothing in /
 run, that no file the test created is left in the run's runtime dir, that no file descriptor of
 this process points into /dev/shm or the runtime dir, and that no thread was left running; cross-process tests run under pytest-timeout and check
 that the processes they started are gone. Relays must therefore put the run id in the names of
-the shared resources they create (DESIGN §6), which is what lets ``sweep`` find them.
+the shared resources they create (docs/relays.md, "Writing a relay"), which is what lets ``sweep`` find them.
 
 Cross-node mode (:class:`CrossNodeRelayConformance`): the same tests with the receiver and a
 second peer on two other nodes than the test process, and every handle and frame carried by the

@@ -66,7 +66,7 @@ import msgspec
 import torch
 from omni_core.relay import checks
 from omni_core.relay.base import Relay, RelayContext, RelayError, Transfer
-from omni_core.relay.inline import dtype_from_name, dtype_name
+from omni_core.relay.dtypes import dtype_from_name, dtype_name
 from omni_core.relay.kit import (
     BufferPool,
     Credit,

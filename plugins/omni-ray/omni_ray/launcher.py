@@ -30,8 +30,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from omni_core.contracts import Launcher, ProcessHandle
 from omni_core.errors import ConfigError, ConfigIssue, StartupError
 from omni_core.runtime.channel import CurveKeys, bind_inbox, forget_trust, release_inboxes, trust
+
+from .placement import ActorRequest, actor_request
 
 #: The launcher's options (``launcher.options``).
 OPTIONS = ("address", "namespace", "runtime_env", "placement_strategy")
@@ -69,26 +72,6 @@ def validate_launch(launch: Mapping[str, Any], path: str) -> list[ConfigIssue]:
         elif key == "placement_strategy" and value not in STRATEGIES:
             issues.append(ConfigIssue(where, f"unknown placement group strategy {value!r}", f"known: {', '.join(STRATEGIES)}"))
     return issues
-
-
-@attrs.frozen
-class ActorRequest:
-    """What one process asks Ray for (from its placement and its stage's ``launch:``)."""
-
-    num_cpus: float
-    num_gpus: float
-    resources: dict[str, float]
-
-
-def actor_request(plan: Any, spec: Any) -> ActorRequest:
-    """CPU processes ask for ``num_cpus`` = their thread count; GPU processes for one GPU. A
-    stage's ``launch:`` overrides both and adds custom resources (for a TP stage, on rank 0 only:
-    the placement group keeps the ranks together)."""
-    launch = plan.config.stage(spec.stages[0]).launch
-    cpus = float(launch.get("num_cpus", spec.threads if spec.gpu is None else 1))
-    gpus = float(launch.get("num_gpus", 0 if spec.gpu is None else 1))
-    resources = dict(launch.get("resources", {})) if spec.tp_rank == 0 else {}
-    return ActorRequest(cpus, gpus, {k: float(v) for k, v in resources.items()})
 
 
 class StageActor:
@@ -168,7 +151,7 @@ def _ray_reason(exc: BaseException) -> str:
     return " ".join(keep)
 
 
-class RayHandle:
+class RayHandle(ProcessHandle):
     """A process running in an actor; liveness through Ray."""
 
     def __init__(self, name: str, actor: Any, where: Mapping[str, Any], run_ref: Any):
@@ -248,7 +231,7 @@ class _Slot:
     started: bool = False
 
 
-class RayLauncher:
+class RayLauncher(Launcher):
     """``launcher: {name: ray, options: {address, namespace, runtime_env, placement_strategy}}``.
 
     ``address``: ``"auto"`` (the cluster this machine belongs to), ``"ray://host:port"`` (Ray

@@ -115,6 +115,26 @@ def live_inventory() -> Inventory:
     return Inventory(tuple(nodes), nodes[0].name)
 
 
+@attrs.frozen
+class ActorRequest:
+    """What one process asks Ray for (from its placement and its stage's ``launch:``)."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+
+
+def actor_request(plan: Any, spec: Any) -> ActorRequest:
+    """CPU processes ask for ``num_cpus`` = their thread count; GPU processes for one GPU. A
+    stage's ``launch:`` overrides both and adds custom resources (for a TP stage, on rank 0 only:
+    the placement group keeps the ranks together)."""
+    launch = plan.config.stage(spec.stages[0]).launch
+    cpus = float(launch.get("num_cpus", spec.threads if spec.gpu is None else 1))
+    gpus = float(launch.get("num_gpus", 0 if spec.gpu is None else 1))
+    resources = dict(launch.get("resources", {})) if spec.tp_rank == 0 else {}
+    return ActorRequest(cpus, gpus, {k: float(v) for k, v in resources.items()})
+
+
 @attrs.define
 class _Free:
     cpus: float
@@ -123,8 +143,6 @@ class _Free:
 
 
 def _demand(plan: Any, spec: Any) -> tuple[float, float, dict[str, float]]:
-    from .launcher import actor_request
-
     stage = plan.config.stage(spec.stages[0])
     req = actor_request(plan, spec)
     share = 0.0
