@@ -95,7 +95,7 @@ class Heart:
                         loop.call_soon_threadsafe(self._tick)
                     if lag > self.block_warning and not warned:
                         warned = True
-                        frame = sys._current_frames().get(self.loop_thread)
+                        frame = sys._current_frames().get(self.loop_thread) if self.loop_thread is not None else None
                         stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
                         log.warning("event loop blocked", blocked_for=round(lag, 2), stack=stack)
                     elif lag <= self.block_warning:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import tracing
@@ -200,7 +200,7 @@ class Coordinator:
                     error_type=type(exc).__name__))
             raise
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Event]:
+    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         req = await self._admit(inputs, request_id, streaming=True)
         try:
             try:

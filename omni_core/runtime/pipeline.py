@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from ..config import PipelineConfig, load_config
@@ -149,7 +149,7 @@ class Pipeline:
         ``RequestAborted``, ``RequestTimeout``."""
         return await self.coordinator.submit(inputs, request_id=request_id)
 
-    def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Event]:
+    def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         """Run one request and yield ``Event``s: the chunks terminal stages emit, in order, as
         the caller reads them (a terminal stage waits while ``limits.stream_buffer`` chunks are
         unread), then the result (``event.is_result``). Leaving the loop early aborts it."""
