@@ -29,6 +29,7 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           voice_key: null             # the voice goes to inputs[voice_key] (null: not passed on)
           messages_key: null          # the conversation (with audio / image parts) goes to inputs[messages_key]
           allow_local_files: false    # image_url may name a file on the server (else data URLs only)
+          system_messages: true       # with messages_key: pass system / developer messages on
 
 With ``messages_key`` the stage gets the conversation in Qwen's chat format: each message's role
 and content, a string or parts ``{"type": "text", "text"}``, ``{"type": "audio", "audio": bytes}``
@@ -188,11 +189,14 @@ def _part(part: Any, where: str, allow_local_files: bool) -> dict[str, Any]:
     raise BadRequest(f"{where}.type must be text, input_audio or image_url, got {kind!r}", f"{where}.type")
 
 
-def _conversation(messages: Any, allow_local_files: bool) -> list[dict[str, Any]]:
-    """The messages in Qwen's chat format (for ``messages_key``)."""
+def _conversation(messages: Any, allow_local_files: bool, system_messages: bool = True) -> list[dict[str, Any]]:
+    """The messages in Qwen's chat format (for ``messages_key``), without system and developer
+    messages unless ``system_messages``."""
     _prompt_checks(messages)
     out = []
     for i, message in enumerate(messages):
+        if not system_messages and message["role"] in ("system", "developer"):
+            continue
         content = message.get("content")
         if isinstance(content, list):
             content = [_part(p, f"messages[{i}].content[{j}]", allow_local_files) for j, p in enumerate(content)]
@@ -218,7 +222,8 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     if opts["messages_key"] is None:
         prompts = {opts["prompt_key"]: _prompt(body.get("messages"))}
     else:
-        prompts = {opts["messages_key"]: _conversation(body.get("messages"), opts["allow_local_files"])}
+        prompts = {opts["messages_key"]: _conversation(body.get("messages"), opts["allow_local_files"],
+                                                       opts["system_messages"])}
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")

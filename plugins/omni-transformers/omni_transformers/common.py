@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -38,3 +39,24 @@ def request_seed(payload: dict) -> int:
         raise ValueError(f"seed must be an integer, got {seed!r}")
     return seed
 
+
+
+class StreamProgress:
+    """What a task reading a stage's incoming stream tells the stage's call: ``error`` (what ended
+    the read), ``ended``, and ``wait(ready)``, which returns once ``ready()`` holds or the read ended
+    (and raises what ended it badly). The reader sets ``changed`` after each chunk it took in."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.error: BaseException | None = None
+        self.ended = False
+        self.changed = asyncio.Event()
+
+    async def wait(self, ready) -> None:
+        while not ready():
+            if self.error is not None:
+                raise RuntimeError(f"reading the {self.source} stream failed: {self.error!r}") from self.error
+            if self.ended:
+                return
+            self.changed.clear()
+            await self.changed.wait()

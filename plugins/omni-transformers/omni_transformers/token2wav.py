@@ -29,7 +29,7 @@ import attrs
 import torch
 from omni_core.batching import MicroBatcher
 
-from .common import DEFAULT_SPEAKER, request_seed, sample_rate_of
+from .common import DEFAULT_SPEAKER, USAGE_KEYS, StreamProgress, request_seed, sample_rate_of
 from .models import (
     load_part,
     load_speakers,
@@ -295,7 +295,7 @@ class Token2Wav:
         audio = torch.cat(chunks)
         result = {"text": "".join(received.text), "token_ids": received.token_ids, "codes": received.codes,
                   "audio": audio, "sample_rate": self.sample_rate}
-        for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+        for key in USAGE_KEYS:
             if key in received.extra:
                 result[key] = received.extra[key]
         if wav_path:
@@ -303,22 +303,20 @@ class Token2Wav:
         return result
 
 
-class _Received:
+class _Received(StreamProgress):
     """What the talker's stream brought so far, read in a task of its own: forwards text to the
     caller at once, keeps the codes; ``wait(ready)`` returns when ``ready()`` holds or the stream
     ended."""
 
     def __init__(self, ctx, source: str):
-        self.ctx, self.source = ctx, source
+        super().__init__(source)
+        self.ctx = ctx
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.codes: list[int] = []
         self.extra: dict = {}
         self.finished = False
-        self.ended = False
         self.rng_state: torch.Tensor | None = None
-        self.error: BaseException | None = None
-        self.changed = asyncio.Event()
 
     async def read(self) -> None:
         try:
@@ -329,7 +327,7 @@ class _Received:
                     await self.ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
                 if "codes" in chunk:
                     self.codes.extend(int(c) for c in chunk["codes"])
-                for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+                for key in USAGE_KEYS:
                     if key in chunk:
                         self.extra[key] = chunk[key]
                 if chunk.get("final"):
@@ -345,15 +343,6 @@ class _Received:
         finally:
             self.ended = True
             self.changed.set()
-
-    async def wait(self, ready) -> None:
-        while not ready():
-            if self.error is not None:
-                raise RuntimeError(f"reading the {self.source} stream failed: {self.error!r}") from self.error
-            if self.ended:
-                return
-            self.changed.clear()
-            await self.changed.wait()
 
 
 @attrs.define

@@ -164,8 +164,8 @@ def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipelin
     assert not torch.equal(want["audio"], native("Chelsie")["audio"])
     assert "".join(text) == want["text"] and "".join(transcript) == want["text"]
     assert len(text) > 1, "the text came in one piece, not as deltas"
-    # every text delta before the audio
-    assert order == sorted(order, key=lambda kind: kind == "audio"), order
+    # speech is streamed: text and audio deltas may interleave; both kinds came, the text first
+    assert order[0] == "text" and "audio" in order, order
     assert bytes(pcm) == quantised(want["audio"])
     assert finish == ["length"]  # max_tokens cut the answer
 
