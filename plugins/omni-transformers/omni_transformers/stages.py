@@ -16,7 +16,8 @@ Streams (docs/models.md lists every key):
   then ``{"final": true, "text"}`` (text held back by incremental detokenisation).
 - talker → token2wav: ``{"text", "token_ids"}`` as the thinker's text arrives, ``{"codes": [...]}``
   every ``codes_per_chunk`` codes, then ``{"codes": [...], "final": true, "rng_state"}``.
-- token2wav → caller: the text chunks, then ``{"audio", "sample_rate"}``; its result is
+- token2wav → caller: the text chunks and, as the codes arrive, ``{"audio", "sample_rate"}``
+  chunks of the speech; its result is
   ``{"text", "token_ids", "codes", "audio", "sample_rate"}``.
 """
 
