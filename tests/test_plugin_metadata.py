@@ -172,7 +172,8 @@ PLAN_SCRIPT = textwrap.dedent("""
     plan = build_plan(cfg, registry, gpus=2)
     heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")
                    or m.endswith(".relay") and m != "omni_core.relay" or m.startswith("omni_core.relay.")
-                   and m not in ("omni_core.relay.base", "omni_core.relay.liveness"))
+                   and m not in ("omni_core.relay.base", "omni_core.relay.liveness",
+                                 "omni_core.relay.specs"))  # the built-ins' registration metadata
     print(json.dumps({"edges": {f"{e.src}->{e.dst}": e.relay for e in plan.edges}, "issues": issues, "heavy": heavy}))
 """)
 
