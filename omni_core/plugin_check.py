@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -137,6 +137,7 @@ def _check_relay(entry: Entry, obj: Any, pid: str, out: list[Problem], smoke: bo
         out.append(Problem(pid, entry.name, "no options schema declared at registration: its options cannot be validated "
                            "before a pipeline starts", "pass options={...: omni_core.options.Option(...)} to register() "
                            "(options={} when it takes none)"))
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(obj.sweep).parameters
     except (TypeError, ValueError):

@@ -445,6 +445,7 @@ def stage_arg_check_issues(cfg: PipelineConfig, registry: Registry) -> list[Conf
 
 
 def _run_arg_check(check: Callable[..., Any], cfg: PipelineConfig, stage: StageConfig, path: str) -> list[ConfigIssue]:
+    declared: Mapping[str, inspect.Parameter]
     try:
         declared = inspect.signature(check).parameters
     except (TypeError, ValueError):

@@ -136,8 +136,8 @@ def _devices_line(plan: Plan) -> str:
     if not count:
         return "no GPU (every stage on the CPU)"
     memories = {d.memory for d in plan.devices}
-    size = "memory unknown" if memories == {None} else (
-        f"{gib(memories.pop())} each" if len(memories) == 1 else "memory varies")
+    only = next(iter(memories)) if len(memories) == 1 else None
+    size = "memory unknown" if memories == {None} else (f"{gib(only)} each" if only is not None else "memory varies")
     how = "simulated" if plan.simulated else "detected"
     return f"{count} GPU{'s' if count != 1 else ''} ({how}, {size})"
 
