@@ -10,7 +10,7 @@ import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
-from .common import USAGE_KEYS, request_seed
+from .common import USAGE_KEYS, StreamProgress, request_seed
 from .models import Sampler, load_part, make_generator, resolve_model_path
 
 
@@ -190,17 +190,15 @@ class Talker:
         await self.loop.close()
 
 
-class _ThinkerStream:
+class _ThinkerStream(StreamProgress):
     """Reads the thinker's stream for one talker call: forwards text at once, keeps the talker
     inputs. ``reply(j)`` is the thinker input for generated token j, or None past the last one."""
 
     def __init__(self, ctx, source: str):
-        self.ctx, self.source = ctx, source
+        super().__init__(source)
+        self.ctx = ctx
         self.head: dict | None = None
         self.replies: list[torch.Tensor] = []
-        self.ended = False
-        self.changed = asyncio.Event()
-        self.error: BaseException | None = None
         self.sink = None  # the talker row fed with replies 1, 2, ... once it joined the loop
         self.device: torch.device | None = None
 
@@ -260,23 +258,14 @@ class _ThinkerStream:
             if self.sink is not None:
                 self._end_sink()
 
-    async def _wait(self, ready) -> None:
-        while not ready():
-            if self.error is not None:
-                raise RuntimeError(f"reading the {self.source} stream failed: {self.error!r}") from self.error
-            if self.ended:
-                return
-            self.changed.clear()
-            await self.changed.wait()
-
     async def first(self) -> dict:
-        await self._wait(lambda: self.head is not None)
+        await self.wait(lambda: self.head is not None)
         if self.head is None:
             raise RuntimeError(f"the {self.source} stream ended before its first chunk")
         return self.head
 
     async def reply(self, j: int) -> torch.Tensor | None:
-        await self._wait(lambda: len(self.replies) > j)
+        await self.wait(lambda: len(self.replies) > j)
         if self.error is not None:
             raise RuntimeError(f"reading the {self.source} stream failed: {self.error!r}") from self.error
         return self.replies[j] if len(self.replies) > j else None
