@@ -6,10 +6,11 @@ and bad media failing only its own request."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile
 import torch
 from omni_core import Pipeline, load_config
 from omni_core.errors import StageError
@@ -26,6 +27,9 @@ from omni_transformers.token2wav import (
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("no_leaks")]
 
+# Real speech: espeak-ng saying "Hello omni. What do you see in this picture?" (22050 Hz mono, 2.7 s).
+SPEECH = Path(__file__).parent / "data" / "hello.wav"
+
 
 def tone(seconds: float, freq: float = 440.0, rate: int = 16000) -> torch.Tensor:
     t = torch.arange(int(seconds * rate)) / rate
@@ -41,7 +45,7 @@ def media(tmp_path_factory):
     from PIL import Image
 
     folder = tmp_path_factory.mktemp("media")
-    soundfile.write(folder / "speech.wav", tone(1.5, 330, 22050).numpy(), 22050)
+    shutil.copy(SPEECH, folder / "speech.wav")
     Image.fromarray(picture(70, 100, 4).numpy(), "RGB").save(folder / "photo.png")
     return folder
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -27,8 +29,7 @@ def files(tmp_path_factory):
     from PIL import Image
 
     folder = tmp_path_factory.mktemp("media")
-    t = np.arange(int(1.2 * 16000)) / 16000
-    soundfile.write(folder / "speech.wav", (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 16000)
+    shutil.copy(Path(__file__).parent / "data" / "hello.wav", folder / "speech.wav")  # espeak-ng speech
     pixels = (np.random.RandomState(3).rand(64, 96, 3) * 255).astype(np.uint8)
     Image.fromarray(pixels, "RGB").save(folder / "photo.png")
     return folder
