@@ -281,8 +281,10 @@ def test_server_vad_on_silence_speech_silence_then_barge_in(server):
     async def main():
         async with connect(server) as conn:
             await until(conn, "session.created")  # server_vad is the default
-            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200, "silence_duration_ms": 400}}}})
+            # Long answers (60 words, 1.8 s at least): the barge-in comes while one plays.
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 60, "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200,
+                                   "silence_duration_ms": 400}}}})
             await until(conn, "session.updated")
             # Silence alone is no turn: the buffer is cleared without any speech event.
             await conn.input_audio_buffer.append(audio=b64(silence(1.5)))
