@@ -41,6 +41,18 @@ def quantised(audio: torch.Tensor) -> bytes:
     return (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
+def assert_same_pcm(got: bytes, audio: torch.Tensor) -> None:
+    """``got`` is ``audio`` as PCM16, each sample within one step: token2wav batches concurrent
+    requests' chunks, and a batched row may differ from a lone one in the last float bits
+    (token2wav.BATCHED_MAX_RELATIVE_ERROR), which can move a sample across a rounding edge."""
+    want = quantised(audio)
+    assert len(got) == len(want)
+    a = torch.frombuffer(bytearray(got), dtype=torch.int16).int()
+    b = torch.frombuffer(bytearray(want), dtype=torch.int16).int()
+    if len(a):
+        assert int((a - b).abs().max()) <= 1
+
+
 @pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen2_5_omni.split"])
 def server(request, tiny_model, tmp_path_factory):
     from omni_core.plugins import load_plugins
@@ -130,7 +142,7 @@ def test_a_completion_with_wav_audio_equals_the_pipeline(client, server, native)
         want["prompt_tokens"], MAX_TOKENS, want["prompt_tokens"] + MAX_TOKENS)
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
-        assert wav.readframes(wav.getnframes()) == quantised(want["audio"])
+        assert_same_pcm(wav.readframes(wav.getnframes()), want["audio"])
 
 
 def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipeline(
@@ -166,7 +178,7 @@ def test_a_streamed_completion_sends_text_deltas_then_pcm16_equal_to_the_pipelin
     assert len(text) > 1, "the text came in one piece, not as deltas"
     # speech is streamed: text and audio deltas may interleave; both kinds came, the text first
     assert order[0] == "text" and "audio" in order, order
-    assert bytes(pcm) == quantised(want["audio"])
+    assert_same_pcm(bytes(pcm), want["audio"])
     assert finish == ["length"]  # max_tokens cut the answer
 
 
@@ -181,7 +193,7 @@ def test_plain_http_pcm16_and_a_streamed_text_only_completion(server, native):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     audio = r.json()["choices"][0]["message"]["audio"]
-    assert base64.b64decode(audio["data"]) == quantised(native("Chelsie")["audio"])
+    assert_same_pcm(base64.b64decode(audio["data"]), native("Chelsie")["audio"])
     assert audio["sample_rate"] == SAMPLE_RATE
 
     body = {
