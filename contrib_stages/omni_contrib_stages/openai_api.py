@@ -330,8 +330,18 @@ def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
+def stage_part(result: Any, stage: str) -> Any:
+    """``stage``'s part of a pipeline result: ``result[stage]`` when the result is keyed by
+    terminal stage (several terminals), else the result itself (one terminal). A one-stage result
+    may have a field named like its stage (Qwen's text stage has ``text``): only a mapping under
+    that key is taken for the stage's part."""
+    if isinstance(result, Mapping) and isinstance(result.get(stage), Mapping):
+        return result[stage]
+    return result
+
+
 def _final_text(result: Any, opts: dict[str, Any], pieces: list[str], stage: str) -> str:
-    part = result.get(stage, result) if isinstance(result, Mapping) else result
+    part = stage_part(result, stage)
     if isinstance(part, Mapping) and isinstance(part.get(opts["result_text_field"]), str):
         return part[opts["result_text_field"]]
     return opts["text_joiner"].join(pieces)
@@ -355,7 +365,7 @@ def usage_of(result: Any, opts: dict[str, Any], stage: str) -> tuple[dict[str, i
     """``(usage, finish_reason)`` from ``stage``'s part of the result (the result itself with one
     terminal stage): usage None unless both counts are non-negative ints; finish_reason
     ``"stop"`` unless the result says ``"length"``."""
-    part = result.get(stage, result) if isinstance(result, Mapping) else result
+    part = stage_part(result, stage)
     if not isinstance(part, Mapping):
         return None, "stop"
     finish = part.get(opts["finish_reason_field"])

@@ -860,10 +860,7 @@ class Session:
                         if response.first_audio is None:
                             response.first_audio = time.perf_counter() - response.started
                             self.hub.first_audio(response.first_audio)
-            # The result of one terminal stage is that stage's own (whose fields may share the
-            # stage's name, as Qwen's text stage's "text"); of several, keyed by stage.
-            part = result.get(text_stage) if isinstance(result, Mapping) else None
-            counts, _ = usage_of({text_stage: part if isinstance(part, Mapping) else result}, self.opts, text_stage)
+            counts, _ = usage_of(result, self.opts, text_stage)
             if counts is not None:
                 usage = {"total_tokens": counts["total_tokens"], "input_tokens": counts["prompt_tokens"],
                          "output_tokens": counts["completion_tokens"]}

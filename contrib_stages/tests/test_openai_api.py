@@ -285,3 +285,17 @@ def test_the_usage_fields_are_adapter_options():
     # No counts (or not counts): usage null rather than made-up numbers; finish_reason stop.
     assert usage_of({"thinker": {"text": "x"}}, opts, "thinker") == (None, "stop")
     assert usage_of({"thinker": {"n_in": -1, "n_out": True}}, opts, "thinker") == (None, "stop")
+
+
+def test_a_one_stage_result_with_a_field_named_like_its_stage_is_that_stages_part():
+    """Qwen's text-only stage is named ``text`` and its result has a ``text`` field: that string
+    is not the stage's part of the result (a result keyed by stage holds mappings)."""
+    from omni_contrib_stages.openai_api import _final_text, usage_of
+
+    opts = adapter_options({}, load_config("demo"))
+    result = {"text": "hello", "prompt_tokens": 5, "completion_tokens": 2, "finish_reason": "length"}
+    assert usage_of(result, opts, "text") == ({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+                                              "length")
+    assert _final_text(result, {**opts, "result_text_field": "text"}, ["he", "llo!"], "text") == "hello"
+    keyed = {"text": {"text": "hi", "prompt_tokens": 1, "completion_tokens": 1}, "token2wav": {}}
+    assert usage_of(keyed, opts, "text")[0] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
