@@ -267,6 +267,25 @@ def test_a_window_wait_cancelled_as_its_credit_comes_raises_cancelled():
     arun(body())
 
 
+def test_several_tasks_waiting_on_one_window_each_get_a_credit_as_it_comes():
+    """One call may emit to one reader from several tasks (the talker forwards text from a reader
+    task while its loop emits codes): every waiter wakes on a grant, none waits for the stall
+    timeout because another took the wake-up."""
+
+    async def body():
+        window = Window(0)
+        tasks = [asyncio.ensure_future(window.acquire(30, lambda: "the stream")) for _ in range(3)]
+        await asyncio.sleep(0)
+        for _ in range(3):
+            window.grant(1)
+            done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "a granted credit woke no waiter"
+            tasks = [t for t in tasks if not t.done()]
+        assert not tasks and window.credits == 0 and not window._waiters
+
+    arun(body())
+
+
 def test_without_the_flag_a_reader_whose_payload_follows_the_stream_stalls_it():
     """The contrast: the same wiring without ``can_accept_stream_before_payload`` holds the chunks
     for a call that cannot start before the stream ends, and the producer's stall names both

@@ -40,20 +40,22 @@ def _expire(waiter: asyncio.Future) -> None:
 class Window:
     """The producer's side of one stream: credits left, and whether the reader closed it."""
 
-    __slots__ = ("credits", "closed", "initial", "_waiter")
+    __slots__ = ("credits", "closed", "initial", "_waiters")
 
     def __init__(self, credits: int):
         self.credits = credits
         self.initial = credits
         self.closed = False
-        self._waiter: asyncio.Future | None = None
+        #: Producers waiting for a credit: one call may emit to one reader from several tasks.
+        self._waiters: list[asyncio.Future] = []
 
     def grant(self, n: int, closed: bool = False) -> None:
         self.credits += n
         self.closed = self.closed or closed
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(True)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(True)
 
     async def acquire(self, timeout: float, what: Callable[[], str]) -> bool:
         """Take one credit, waiting for one; False when the reader closed the stream.
@@ -63,13 +65,15 @@ class Window:
         just as the credit comes: the call then went on emitting for an ended request."""
         while not self.closed and self.credits <= 0:
             loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
             timer = loop.call_later(timeout, _expire, waiter)
             try:
                 granted = await waiter
             finally:
                 timer.cancel()
-                self._waiter = None
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
             if not granted:
                 raise StreamStalled(
                     f"{what()} made no progress for {timeout:g} s (limits.stream_stall_timeout): the "
