@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +113,46 @@ def _is_async(fn: Callable) -> bool:
     return not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)
 
 
+class _Calls:
+    """How a batcher or a decode loop calls its user function: awaited when it is ``async``, else
+    on one worker thread of its own (made at the first call), so the event loop is never blocked.
+    With ``stats``, the seconds spent inside the function are added to ``stats.busy_s``."""
+
+    def __init__(self, fn: Callable, thread_name: str, stats: Any = None):
+        self.fn = fn
+        self.thread_name = thread_name
+        self.stats = stats
+        self._async = _is_async(fn)
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _timed(self, arg: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.fn(arg)
+        finally:
+            self.stats.busy_s += time.perf_counter() - t0
+
+    async def __call__(self, arg: Any) -> Any:
+        if self._async:
+            if self.stats is None:
+                return await self.fn(arg)
+            t0 = time.perf_counter()
+            try:
+                return await self.fn(arg)
+            finally:
+                self.stats.busy_s += time.perf_counter() - t0
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.thread_name)
+        call = self.fn if self.stats is None else self._timed
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call, arg)
+
+    def shutdown(self) -> None:
+        """Stop the worker thread (a call running there finishes; none is waited for)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
 class MicroBatcher(Generic[T, R]):
     """Collects concurrent :meth:`submit` calls into batches for ``fn`` (see the module docstring).
 
@@ -127,18 +168,25 @@ class MicroBatcher(Generic[T, R]):
             raise ValueError(f"max_batch_size must be an integer of at least 1, got {max_batch_size!r}")
         if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or max_wait < 0:
             raise ValueError(f"max_wait must be a number of seconds of at least 0, got {max_wait!r}")
-        self.fn = fn
         self.max_batch_size = max_batch_size
         self.max_wait = float(max_wait)
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.stats = BatchStats()
-        self._async = _is_async(fn)
+        self._calls = _Calls(fn, f"batcher-{self.name}")
         self._waiting: deque[_Waiting] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+
+    @property
+    def fn(self) -> BatchFn:
+        """The batch function (replaceable: the next batch calls the new one)."""
+        return self._calls.fn
+
+    @fn.setter
+    def fn(self, fn: BatchFn) -> None:
+        self._calls.fn = fn
 
     def __repr__(self) -> str:
         return (f"MicroBatcher({self.name!r}, max_batch_size={self.max_batch_size}, "
@@ -178,9 +226,7 @@ class MicroBatcher(Generic[T, R]):
         worker, self._worker = self._worker, None
         await _cancel(worker)
         self._fail_waiting(BatcherClosed(f"batcher {self.name!r} was closed before the item was processed"))
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self._calls.shutdown()
 
     # -- the worker ------------------------------------------------------------------------------
 
@@ -226,13 +272,7 @@ class MicroBatcher(Generic[T, R]):
         items = [w.item for w in batch]
         self.stats.record(len(items))
         try:
-            if self._async:
-                results = await self.fn(items)
-            else:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"batcher-{self.name}")
-                results = await self._loop.run_in_executor(self._executor, self.fn, items)
-            results = list(results)
+            results = list(await self._calls(items))
             if len(results) != len(items):
                 raise BatchError(
                     f"batch function of batcher {self.name!r} returned {len(results)} results for "

@@ -69,15 +69,13 @@ owned by the loop, so the event loop is never blocked).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
-from .batching import _cancel, _is_async
+from .batching import _Calls, _cancel
 
 StepFn = Callable[[list["Row"]], "Sequence[Any] | Awaitable[Sequence[Any]]"]
 
@@ -283,14 +281,13 @@ class DecodeLoop:
         for label, value in (("memory_budget", memory_budget), ("max_prefill_tokens", max_prefill_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{label} must be a positive integer or None, got {value!r}")
-        self.step = step
         self.max_batch_size = max_batch_size
         self.memory_budget = memory_budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_pending_outputs = max_pending_outputs
         self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
         self.stats = DecodeStats()
-        self._async = _is_async(step)
+        self._calls = _Calls(step, f"decode-{self.name}", self.stats)
         self._live: list[Row] = []
         self._waiting: deque[tuple[Row, asyncio.Future]] = deque()
         self._memory = 0
@@ -298,8 +295,16 @@ class DecodeLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+
+    @property
+    def step(self) -> StepFn:
+        """The step function (replaceable: the next step calls the new one)."""
+        return self._calls.fn
+
+    @step.setter
+    def step(self, step: StepFn) -> None:
+        self._calls.fn = step
 
     def __repr__(self) -> str:
         return (f"DecodeLoop({self.name!r}, live={len(self._live)}, waiting={len(self._waiting)}, "
@@ -350,9 +355,7 @@ class DecodeLoop:
         worker, self._worker = self._worker, None
         await _cancel(worker)
         self._fail_all(LoopClosed(f"decode loop {self.name!r} was closed"))
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self._calls.shutdown()
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -480,25 +483,8 @@ class DecodeLoop:
             self._fail_all(StepError(f"decode loop {self.name!r} stopped: {type(exc).__name__}: {exc}"))
             raise
 
-    def _timed(self, rows: list[Row]) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.step(rows)
-        finally:
-            self.stats.busy_s += time.perf_counter() - t0
-
     async def _call(self, rows: list[Row]) -> list[Any]:
-        if self._async:
-            t0 = time.perf_counter()
-            try:
-                results = await self.step(rows)
-            finally:
-                self.stats.busy_s += time.perf_counter() - t0
-        else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{self.name}")
-            results = await self._loop.run_in_executor(self._executor, self._timed, rows)
-        results = list(results)
+        results = list(await self._calls(rows))
         if len(results) != len(rows):
             raise StepError(f"step function of decode loop {self.name!r} returned {len(results)} results for "
                             f"{len(rows)} rows; it must return one result per row, in order")
