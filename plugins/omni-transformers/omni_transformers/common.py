@@ -44,13 +44,31 @@ def request_seed(payload: dict) -> int:
 class StreamProgress:
     """What a task reading a stage's incoming stream tells the stage's call: ``error`` (what ended
     the read), ``ended``, and ``wait(ready)``, which returns once ``ready()`` holds or the read ended
-    (and raises what ended it badly). The reader sets ``changed`` after each chunk it took in."""
+    (and raises what ended it badly). A subclass reads in ``_read`` and sets ``changed`` after each
+    chunk it took in; ``read()`` runs it and records how it ended, then calls ``_on_end()``."""
 
     def __init__(self, source: str):
         self.source = source
         self.error: BaseException | None = None
         self.ended = False
         self.changed = asyncio.Event()
+
+    async def read(self) -> None:
+        try:
+            await self._read()
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.ended = True
+            self.changed.set()
+            self._on_end()
+
+    async def _read(self) -> None:
+        raise NotImplementedError
+
+    def _on_end(self) -> None:
+        """Called once the read ended, however it ended."""
 
     async def wait(self, ready) -> None:
         while not ready():

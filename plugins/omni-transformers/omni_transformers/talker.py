@@ -222,41 +222,36 @@ class _ThinkerStream(StreamProgress):
     def count(self) -> int:
         return len(self.replies)
 
-    async def read(self) -> None:
+    async def _read(self) -> None:
         expect = 0
-        try:
-            async for chunk in self.ctx.stream_from(self.source):
-                if chunk.get("final"):
-                    # The thinker's counts (prompt_tokens, completion_tokens, finish_reason) go on
-                    # with its last text, for token2wav's result.
-                    usage = {k: chunk[k] for k in USAGE_KEYS if k in chunk}
-                    if chunk.get("text"):
-                        await self.ctx.emit({"text": chunk["text"], "token_ids": [], **usage})
-                    elif usage:
-                        await self.ctx.emit(usage)
-                    continue
-                if chunk.get("step") != expect:
-                    raise RuntimeError(f"the {self.source} stream is out of order: chunk {chunk.get('step')} "
-                                       f"arrived where {expect} was due")
-                expect += 1
-                if chunk["step"] == 0:
-                    self.head = {k: chunk[k].clone() for k in ("prompt", "text_bos", "text_eos", "text_pad")}
-                else:
-                    self.replies.append(chunk["reply"].clone())
-                    if self.sink is not None and len(self.replies) > 1:
-                        self.sink.feed(self.replies[-1].to(self.device))
-                self.changed.set()
-                await self.ctx.emit({"text": chunk["text"], "token_ids": [chunk["token_id"]]})
-            if expect == 0:
-                raise RuntimeError(f"the {self.source} stream ended before its first chunk")
-        except BaseException as exc:
-            self.error = exc
-            raise
-        finally:
-            self.ended = True
+        async for chunk in self.ctx.stream_from(self.source):
+            if chunk.get("final"):
+                # The thinker's counts (prompt_tokens, completion_tokens, finish_reason) go on
+                # with its last text, for token2wav's result.
+                usage = {k: chunk[k] for k in USAGE_KEYS if k in chunk}
+                if chunk.get("text"):
+                    await self.ctx.emit({"text": chunk["text"], "token_ids": [], **usage})
+                elif usage:
+                    await self.ctx.emit(usage)
+                continue
+            if chunk.get("step") != expect:
+                raise RuntimeError(f"the {self.source} stream is out of order: chunk {chunk.get('step')} "
+                                   f"arrived where {expect} was due")
+            expect += 1
+            if chunk["step"] == 0:
+                self.head = {k: chunk[k].clone() for k in ("prompt", "text_bos", "text_eos", "text_pad")}
+            else:
+                self.replies.append(chunk["reply"].clone())
+                if self.sink is not None and len(self.replies) > 1:
+                    self.sink.feed(self.replies[-1].to(self.device))
             self.changed.set()
-            if self.sink is not None:
-                self._end_sink()
+            await self.ctx.emit({"text": chunk["text"], "token_ids": [chunk["token_id"]]})
+        if expect == 0:
+            raise RuntimeError(f"the {self.source} stream ended before its first chunk")
+
+    def _on_end(self) -> None:
+        if self.sink is not None:
+            self._end_sink()
 
     async def first(self) -> dict:
         await self.wait(lambda: self.head is not None)

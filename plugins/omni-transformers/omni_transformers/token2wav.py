@@ -318,31 +318,24 @@ class _Received(StreamProgress):
         self.finished = False
         self.rng_state: torch.Tensor | None = None
 
-    async def read(self) -> None:
-        try:
-            async for chunk in self.ctx.stream_from(self.source):
-                if "text" in chunk:
-                    self.text.append(chunk["text"])
-                    self.token_ids.extend(chunk["token_ids"])
-                    await self.ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
-                if "codes" in chunk:
-                    self.codes.extend(int(c) for c in chunk["codes"])
-                for key in USAGE_KEYS:
-                    if key in chunk:
-                        self.extra[key] = chunk[key]
-                if chunk.get("final"):
-                    self.finished = True
-                    if chunk.get("rng_state") is not None:
-                        self.rng_state = torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8)
-                self.changed.set()
-            if not self.finished:
-                raise RuntimeError(f"the {self.source} stream ended without its final chunk")
-        except BaseException as exc:
-            self.error = exc
-            raise
-        finally:
-            self.ended = True
+    async def _read(self) -> None:
+        async for chunk in self.ctx.stream_from(self.source):
+            if "text" in chunk:
+                self.text.append(chunk["text"])
+                self.token_ids.extend(chunk["token_ids"])
+                await self.ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
+            if "codes" in chunk:
+                self.codes.extend(int(c) for c in chunk["codes"])
+            for key in USAGE_KEYS:
+                if key in chunk:
+                    self.extra[key] = chunk[key]
+            if chunk.get("final"):
+                self.finished = True
+                if chunk.get("rng_state") is not None:
+                    self.rng_state = torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8)
             self.changed.set()
+        if not self.finished:
+            raise RuntimeError(f"the {self.source} stream ended without its final chunk")
 
 
 @attrs.define
