@@ -11,7 +11,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -95,17 +94,10 @@ def test_the_page_fetches_nothing_from_elsewhere():
 # -- a real server ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def served(config: str, *args: str, **kwargs) -> Iterator[ServerProcess]:
+def served(config: str, *args: str, **kwargs) -> contextlib.AbstractContextManager[ServerProcess]:
     """``omni serve config *args`` until the block ends; then it must stop cleanly (exit 0) and
     leave nothing behind."""
-    srv = ServerProcess(config, *args, **kwargs).start()
-    try:
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
+    return ServerProcess(config, *args, **kwargs).serving()
 
 
 @pytest.fixture(scope="module")

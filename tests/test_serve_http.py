@@ -27,13 +27,8 @@ REQUESTS = "/v1/pipelines/words/requests"
 @pytest.fixture(scope="module")
 def server():
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    srv = ServerProcess(CONFIG, "--drain-timeout", "10", env=env).start()
-    try:
+    with ServerProcess(CONFIG, "--drain-timeout", "10", env=env).serving() as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
 
 
 @pytest.fixture

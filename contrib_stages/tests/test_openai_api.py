@@ -31,20 +31,8 @@ def samples_for(words: int) -> int:
 def server(tmp_path_factory):
     # No --api: the demo config's `serve: {apis: [openai]}` mounts it.
     # A loaded CI machine can take over a minute to start the demo's processes.
-    srv = ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
-    try:
-        srv.start()
-    except (
-        BaseException
-    ):  # not ready in time: the server and its stage processes must not outlive the test
-        srv.stop()
-        raise
-    try:
+    with ServerProcess("demo", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300).serving() as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
 
 
 @pytest.fixture

@@ -76,18 +76,7 @@ def start_server(tmp: Path, *, delay: float = 0.03, max_sessions: int = 8, idle_
                                                   idle_timeout=idle_timeout))
     srv = ServerProcess(str(tmp / "voice.yaml"), env={"PYTHONPATH": str(HERE)}, cwd=str(tmp), ready_timeout=300)
     srv.record = record
-    try:
-        srv.start()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
-
-
-def stop_server(srv: ServerProcess) -> None:
-    code = srv.stop()
-    assert code == 0, srv.output()
-    srv.assert_nothing_left()
+    return srv.start()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +85,7 @@ def server(tmp_path_factory):
     try:
         yield srv
     finally:
-        stop_server(srv)
+        srv.stop_cleanly()
 
 
 def run(coro, timeout: float = 120):
@@ -473,7 +462,7 @@ def test_the_session_limit_and_idle_sessions_on_a_small_server(tmp_path):
         assert types(created) == ["session.created"]
         wait_metric(srv, "omni_realtime_sessions_total", 1, status="idle_timeout")
     finally:
-        stop_server(srv)
+        srv.stop_cleanly()
 
 
 def test_resample_keeps_a_tone_at_its_pitch():

@@ -29,17 +29,8 @@ DOCS = HERE.parents[1] / "docs" / "serving.md"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess("demo", "--api", "realtime", cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
-    try:
-        srv.start()
-    except BaseException:
-        srv.stop()
-        raise
-    try:
+    with srv.serving():
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
 
 
 def test_a_spoken_turn_reaches_the_demo_and_comes_back_as_speech(server):

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from .leaks import processes_with_env, runtime_dirs, shm_segments
 
@@ -139,6 +139,22 @@ class ServerProcess:
 
     def output(self) -> str:
         return "\n".join(self.lines)
+
+    def stop_cleanly(self, timeout: float = 60.0) -> None:
+        """Stop; the server must exit 0 and leave nothing behind."""
+        code = self.stop(timeout)
+        assert code == 0, self.output()
+        self.assert_nothing_left()
+
+    @contextlib.contextmanager
+    def serving(self, stop_timeout: float = 60.0) -> Iterator[ServerProcess]:
+        """Start (a start that fails stops what it started), yield the server, and at the end of
+        the block :meth:`stop_cleanly`: a test fixture's whole life."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop_cleanly(stop_timeout)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -69,13 +69,9 @@ def server(request, tiny_model, tmp_path_factory):
         env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
         cwd=str(cwd),
         ready_timeout=300,
-    ).start()
-    try:
+    )
+    with srv.serving(stop_timeout=120):
         yield srv
-    finally:
-        code = srv.stop(120)
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
         assert not list(cwd.iterdir()), "a request wrote a file in the server's working directory"
 
 

@@ -49,13 +49,9 @@ def server(tiny_model, tmp_path_factory):
     path.write_text(yaml.safe_dump(config))
     cwd = tmp_path_factory.mktemp("serve")
     srv = ConsoleServer(str(path), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)}, cwd=str(cwd),
-                        ready_timeout=300).start()
-    try:
+                        ready_timeout=300)
+    with srv.serving(stop_timeout=120):
         yield srv
-    finally:
-        code = srv.stop(120)
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
         assert not list(cwd.iterdir()), "a request wrote a file in the server's working directory"
 
 

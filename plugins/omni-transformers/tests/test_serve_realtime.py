@@ -28,17 +28,8 @@ MAX_TOKENS = 4
 def server(tiny_model, tmp_path_factory):
     srv = ServerProcess("qwen2_5_omni", "--api", "realtime", env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
                         cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
-    try:
-        srv.start()
-    except BaseException:
-        srv.stop(120)
-        raise
-    try:
+    with srv.serving(stop_timeout=120):
         yield srv
-    finally:
-        code = srv.stop(120)
-        assert code == 0, srv.output()
-        srv.assert_nothing_left()
 
 
 def native(server, inputs: dict) -> dict:
