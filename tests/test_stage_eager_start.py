@@ -51,7 +51,7 @@ def _cfg() -> dict:
     return {
         "name": "hotpath-eager",
         "stages": [
-            {"name": "a", "factory": "test_hotpath_eager:Checks", "next": "b"},
+            {"name": "a", "factory": "test_stage_eager_start:Checks", "next": "b"},
             {"name": "b", "factory": "omni_test_stages:Echo", "terminal": True},
         ],
     }
