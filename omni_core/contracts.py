@@ -106,6 +106,9 @@ class Launcher(abc.ABC):
     that reads a stage's ``launch:`` mapping overrides :meth:`validate_launch`.
     """
 
+    def __init__(self, options: Mapping[str, Any]) -> None:  # noqa: B027 - a launcher may take none
+        """``options``: the config's ``launcher.options``."""
+
     @abc.abstractmethod
     def start(self, boot: Bootstrap) -> ProcessHandle:
         """Start one stage process that runs ``omni_core.runtime.child.main(boot)``."""

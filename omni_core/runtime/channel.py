@@ -79,7 +79,8 @@ class Inbox:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self._fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]  # an int for FD
+        self._loop.add_reader(self._fd, self._drain)
         # Messages may already be queued: an edge-triggered FD would not wake us for them.
         self._loop.call_soon(self._drain)
 
@@ -102,7 +103,7 @@ class Inbox:
             try:
                 # Ending a drain on zmq.Again costs about four EVENTS checks: ask first while
                 # the drain is short (one request in flight), read until Again when it is long.
-                if 0 < handled < 4 and not sock.getsockopt(_EVENTS) & _POLLIN:
+                if 0 < handled < 4 and not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int
                     return
                 # recv and Frame.more instead of recv_multipart (a getsockopt per part): half
                 # the cost of a one-part message, a third of a two-part one.
@@ -125,7 +126,7 @@ class Inbox:
                 self._unbatch(msg.messages, frames)
             else:
                 try:
-                    handler(msg, frames[1:])
+                    handler(msg, frames[1:])  # type: ignore[arg-type]  # not a Batch (checked above)
                 except Exception:
                     log.exception("control message handler failed", inbox=self.name, message=type(msg).__name__)
 
@@ -147,7 +148,7 @@ class Inbox:
     def close(self) -> None:
         if self._loop is not None and not self.sock.closed:
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(self._fd)
         _close_listener(self.sock)
 
 

@@ -23,12 +23,14 @@ from typing import Any
 import torch
 import zmq
 
+from ..config.load import structure
 from ..errors import ConfigError, PluginError
 from ..logs import configure_logging, get_logger
 from ..plugins import get_registry
 from ..relay.liveness import process_alive
 from . import wire
 from .channel import Outbox, connect
+from .endpoint import Endpoint
 from .host import Host
 from .types import Bootstrap
 
@@ -144,7 +146,12 @@ def main(boot: Bootstrap) -> None:
     async def run() -> None:
         host = None
         try:
-            host = Host(boot, get_registry())
+            registry = get_registry()
+            config = structure(boot.config)
+            endpoint = Endpoint(config, registry, process=boot.process.name, origin=boot.process.name)
+            endpoint.open(run_id=boot.run_id, runtime_dir=boot.runtime_dir, addresses=boot.addresses,
+                          stages=boot.process.stages)
+            host = Host(boot, config, registry, endpoint)
             host.build_stages()
         except BaseException as exc:  # noqa: B902 - SystemExit from a factory is a failed start too
             await _report_start_failure(boot, exc, host)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .flow import StreamBuffer, StreamClosed, StreamStalled
 
 __all__ = ["PENDING", "PayloadPending", "StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .stage import StageRuntime
+
+class _Runtime(Protocol):
+    """What a context uses of its stage's runtime (:class:`~.stage.StageRuntime`)."""
+
+    name: str
+
+    async def emit(self, rid: int, request_id: str, chunk: Any) -> None: ...
+
+    def stream_from(self, rid: int, stage: str) -> AsyncIterator[Any]: ...
 
 
 class PayloadPending(TypeError):
@@ -66,7 +73,7 @@ class StageContext:
 
     __slots__ = ("request_id", "stage_name", "_rid", "_runtime", "_aborted", "_loop", "_payload", "_arrival")
 
-    def __init__(self, runtime: StageRuntime, rid: int, request_id: str, payload: Any = PENDING):
+    def __init__(self, runtime: _Runtime, rid: int, request_id: str, payload: Any = PENDING):
         self.request_id = request_id
         self.stage_name = runtime.name
         self._rid = rid

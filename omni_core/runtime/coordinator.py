@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import Any
 
 from .. import tracing
 from ..config.schema import PipelineConfig
@@ -33,41 +33,40 @@ from ..errors import (
 from ..logs import get_logger
 from ..plan.topology import Plan, replica_index
 from ..registry import Registry
-from ..relay.base import Relay, RelayContext
-from ..relay.inline import InlineRelay
-from ..relay.payload import pack, unpack
+from ..relay.payload import pack
 from . import wire
-from .ordered import OrderedDelivery
+from .endpoint import Endpoint
+from .lifecycle import Lifecycle
 from .requests import Event, Graph, Request
-from .types import CALLER_RELAY, WiringError, chosen_names
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .runner import Runner
+from .types import CALLER_RELAY, Inbound, WiringError, chosen_names
 
 
 class Coordinator:
-    """Requests in flight of one running pipeline. ``runner`` (set by the owner before start)
-    sends for it and says whether the pipeline runs."""
+    """Requests in flight of one running pipeline. It sends and receives through the caller's
+    ``endpoint`` (it is the endpoint's :class:`~.endpoint.DataReceiver`) and reads from
+    ``lifecycle`` whether the pipeline runs and which processes are live."""
 
-    runner: Runner
-
-    def __init__(self, config: PipelineConfig, registry: Registry):
+    def __init__(self, config: PipelineConfig, registry: Registry, endpoint: Endpoint, lifecycle: Lifecycle):
         self.config = config
         self.registry = registry
+        self.endpoint = endpoint
+        self.lifecycle = lifecycle
         self.log = get_logger(pipeline=config.name)
         self.requests: dict[int, Request] = {}  # in rid order: the first is the oldest in flight
         self.by_id: dict[str, int] = {}
-        self.ordered = OrderedDelivery()
         self.graph = Graph(config)
         self._next_rid = 1
-        self._terminal_fn = None
+        self._terminal_fn: Callable[[Any], Any] | None = None
         self._stateful: list[str] = []
+        self._processes: list[str] = []
         self._uses: dict[str, list[list[str]]] = {}
-        self._relay: Relay | None = None
         self._batch = max(1, config.limits.stream_buffer // 4)
         self._behind: set[str] = set()  # processes that may remember ended requests
         self._deadlines: dict[int, float] = {}  # rid -> loop time its request times out
         self._timer: asyncio.TimerHandle | None = None  # at the oldest request's deadline
+        endpoint.on_data(self)
+        endpoint.on(wire.Failed, self._on_failed)
+        endpoint.on(wire.Dropped, self._on_dropped)
 
     def bind(self, plan: Plan) -> None:
         """Learn the plan: which processes keep per-request state, and which ones a request may
@@ -77,6 +76,7 @@ class Coordinator:
             self._terminal_fn = self.registry.resolve("terminal_stages", cfg.terminal_stages_fn)
         stateful_stages = {s.name for s in cfg.stages if s.wait_for or any(s.name in o.stream_to for o in cfg.stages)}
         self._stateful = [p.name for p in plan.leaders() if stateful_stages & set(p.stages)]
+        self._processes = [p.name for p in plan.processes]
         for stage in cfg.stages:
             self._uses[stage.name] = [[leader, *plan.followers(leader)] for leader in plan.processes_of(stage.name)]
 
@@ -90,12 +90,12 @@ class Coordinator:
     # -- admission -------------------------------------------------------------------------------
 
     async def _admit(self, inputs: Any, request_id: str | None, streaming: bool) -> Request:
-        runner = self.runner
-        if runner.state == "restarting":
-            await runner.wait_running(self.config.limits.request_timeout)
-        if runner.state != "running":
-            reason = f": {runner.closed_reason}" if runner.closed_reason else ""
-            raise PipelineClosed(f"pipeline {self.config.name!r} is not running ({runner.state}){reason}")
+        lifecycle = self.lifecycle
+        if lifecycle.state == "restarting":
+            await lifecycle.wait_running(self.config.limits.request_timeout)
+        if lifecycle.state != "running":
+            reason = f": {lifecycle.closed_reason}" if lifecycle.closed_reason else ""
+            raise PipelineClosed(f"pipeline {self.config.name!r} is not running ({lifecycle.state}){reason}")
         if len(self.requests) >= self.config.limits.max_in_flight:
             raise Overloaded(
                 f"pipeline {self.config.name!r} has {len(self.requests)} requests in flight "
@@ -126,6 +126,7 @@ class Coordinator:
     def _terminals_for(self, inputs: Any, request_id: str) -> set[str]:
         fn_name = self.config.terminal_stages_fn
         terminals = self.config.terminal_stages
+        assert self._terminal_fn is not None
         try:
             answer = self._terminal_fn(inputs)
         except Exception as exc:
@@ -163,25 +164,12 @@ class Coordinator:
             f"request {req.request_id!r} took longer than limits.request_timeout ({self.config.limits.request_timeout:g} s)",
             request_id=req.request_id))
 
-    def _caller_relay(self) -> Relay:
-        """The relay of the caller's edges (inputs in, results and events out)."""
-        if self._relay is None:
-            self._relay = InlineRelay(RelayContext(self.runner.run_id, "coordinator", self.runner.runtime_dir or "", {}))
-        return self._relay
-
     async def _send_inputs(self, req: Request, inputs: Any) -> None:
-        runner = self.runner
         entry = self.config.entry
         leaders = self._uses[entry][replica_index(req.rid, len(self._uses[entry]))]
-        address = runner.addresses[leaders[0]]
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
-        if tensors:
-            transfer = await self._caller_relay().put(req.rid, tensors, leaders[0])
-            msg = wire.Data("work", req.rid, req.request_id, entry, "", skeleton, CALLER_RELAY, transfer.handle, len(transfer.frames),
-                            trace=tracing.traceparent())
-            await runner.outbox.send(address, msg, transfer.frames)
-        else:
-            await runner.outbox.send(address, wire.Data("work", req.rid, req.request_id, entry, "", skeleton, trace=tracing.traceparent()))
+        await self.endpoint.send_data(leaders[0], "work", req.rid, req.request_id, entry, "", CALLER_RELAY,
+                                      skeleton, tensors, tracing.traceparent())
 
     # -- the caller's API ------------------------------------------------------------------------
 
@@ -211,8 +199,10 @@ class Coordinator:
                         f"cannot send the inputs: {exc}", stage=self.config.entry, request_id=req.request_id,
                         error_type=type(exc).__name__))
                 raise
+            events = req.events
+            assert events is not None  # a streamed request
             while True:
-                item = await req.events.get()
+                item = await events.get()
                 if item is None:
                     break
                 event, origin = item
@@ -240,56 +230,33 @@ class Coordinator:
         owed = req.owed.get(key, 0) + 1
         if owed >= self._batch:
             req.owed[key] = 0
-            address = self.runner.addresses.get(origin)
-            if address is not None and req.rid in self.requests:
-                self.runner.outbox.post(address, wire.Credit(req.rid, "", stage, owed))
+            if origin in self.endpoint.addresses and req.rid in self.requests:
+                self.endpoint.post(origin, wire.Credit(req.rid, "", stage, owed))
         else:
             req.owed[key] = owed
 
     # -- messages from stage processes -----------------------------------------------------------
 
-    def on_message(self, msg: wire.Message, frames: list) -> None:
-        rid = msg.rid
-        if rid not in self.requests:
-            return
-        if isinstance(msg, wire.Data):
-            if msg.relay:
-                self.ordered.start(rid, lambda: self._receive(msg, frames))
-            elif self.ordered.busy(rid):  # behind a message of the request still being fetched
-                self.ordered.run(rid, lambda: self._decoded(msg, []))
-            else:
-                try:
-                    self._decoded(msg, [])
-                except Exception:
-                    self.log.exception("message handling failed")
-        elif isinstance(msg, wire.Failed):
-            self.ordered.run(rid, lambda: self._failed(msg))
-        elif isinstance(msg, wire.Dropped):
-            self.ordered.run(rid, lambda: self._dropped(msg))
+    # The endpoint's DataReceiver: results and the caller's stream chunks.
 
-    async def _receive(self, msg: wire.Data, frames: list) -> None:
+    def wanted(self, rid: int) -> bool:
+        return rid in self.requests
+
+    def screen(self, msg: wire.Data) -> bool:
+        if msg.relay and msg.relay != CALLER_RELAY:
+            self.reject(msg, ValueError(f"results must come through the {CALLER_RELAY!r} relay, not {msg.relay!r}"))
+            return False
+        return True
+
+    def reject(self, msg: wire.Data, exc: BaseException) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:
+            self.finish(req, error=StageError(f"cannot decode the result: {exc}", stage=msg.src,
+                                              request_id=req.request_id, error_type=type(exc).__name__))
+
+    def deliver(self, msg: wire.Data, payload: Any, inbound: Inbound | None) -> None:
         req = self.requests.get(msg.rid)
         if req is None:
-            return
-        try:
-            if msg.relay != CALLER_RELAY:
-                raise ValueError(f"results must come through the {CALLER_RELAY!r} relay, not {msg.relay!r}")
-            if msg.nframes != len(frames):
-                raise ValueError(f"the message announced {msg.nframes} frames and carried {len(frames)}")
-            tensors = await self._caller_relay().get(msg.handle, [f.buffer for f in frames])
-        except Exception as exc:
-            self.finish(req, error=StageError(f"cannot decode the result: {exc}", stage=msg.src, request_id=req.request_id, error_type=type(exc).__name__))
-            return
-        self._decoded(msg, tensors)
-
-    def _decoded(self, msg: wire.Data, tensors: list) -> None:
-        req = self.requests.get(msg.rid)
-        if req is None:
-            return
-        try:
-            payload = unpack(msg.skeleton, tensors, allow_pickle=self.config.allow_pickle)
-        except Exception as exc:
-            self.finish(req, error=StageError(f"cannot decode the result: {exc}", stage=msg.src, request_id=req.request_id, error_type=type(exc).__name__))
             return
         if msg.kind == "result":
             if msg.stage in req.expected or (not req.expected and not req.results):
@@ -302,6 +269,14 @@ class Coordinator:
                 self._read(req, msg.stage, msg.origin)
         else:
             self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
+
+    def _on_failed(self, msg: wire.Failed) -> None:
+        if msg.rid in self.requests:
+            self.endpoint.in_order(msg.rid, lambda: self._failed(msg))
+
+    def _on_dropped(self, msg: wire.Dropped) -> None:
+        if msg.rid in self.requests:
+            self.endpoint.in_order(msg.rid, lambda: self._dropped(msg))
 
     def _failed(self, msg: wire.Failed) -> None:
         req = self.requests.get(msg.rid)
@@ -336,7 +311,7 @@ class Coordinator:
             return
         if self.by_id.get(req.request_id) == req.rid:
             del self.by_id[req.request_id]
-        self.ordered.drop(req.rid)
+        self.endpoint.forget(req.rid)
         self._deadlines.pop(req.rid, None)  # the timer, when it fires, waits for the next oldest
         if req.timer is not None:
             req.timer.cancel()
@@ -349,14 +324,14 @@ class Coordinator:
                                  reason=getattr(error, "reason", None) or str(error).split("\n", 1)[0])
             else:
                 self.log.debug("request aborted", request_id=req.request_id)
-            self.runner.broadcast(wire.Abort(req.rid, floor))
-            self._behind = set(self.runner.addresses) if behind else set()
+            self._tell(wire.Abort(req.rid, floor))
+            self._behind = set(self._processes) if behind else set()
             if not req.future.done():
                 req.future.set_exception(error)
         else:
             self.log.debug("request done", request_id=req.request_id)
             if self._stateful:
-                self.runner.broadcast(wire.Forget(req.rid, floor), self._stateful)
+                self._tell(wire.Forget(req.rid, floor), self._stateful)
                 if behind:
                     self._behind.update(self._stateful)
                 else:
@@ -365,10 +340,14 @@ class Coordinator:
                 req.future.set_result(value)
         if not self.requests and self._behind:
             # Idle: every process that may remember ended requests can forget them now.
-            self.runner.broadcast(wire.Forget(0, floor), [n for n in self._behind if n])
+            self._tell(wire.Forget(0, floor), self._behind)
             self._behind = set()
         if req.events is not None:
             req.events.put_nowait(None)
+
+    def _tell(self, msg: wire.Message, names: Iterable[str] | None = None) -> None:
+        """Post ``msg`` to the live processes among ``names`` (default: all)."""
+        self.endpoint.post_all(self.lifecycle.live_of(names), msg)
 
     def fail_where(self, processes: set[str], error: Callable[[Request], BaseException]) -> int:
         """Fail every request that may use one of ``processes``; returns how many."""
@@ -376,6 +355,16 @@ class Coordinator:
         for req in hit:
             self.finish(req, error=error(req))
         return len(hit)
+
+    def abort_all(self, reason: BaseException | None) -> None:
+        """The pipeline stopped: every request still in flight is aborted (``reason``: why,
+        when the stop was not asked for)."""
+        suffix = f" ({reason})" if reason is not None else ""
+        self.fail_all(lambda req: RequestAborted(
+            f"request {req.request_id!r} aborted: the pipeline stopped{suffix}", request_id=req.request_id))
+
+    def in_flight(self) -> int:
+        return len(self.requests)
 
     def fail_all(self, error: Callable[[Request], BaseException]) -> None:
         for req in list(self.requests.values()):
@@ -392,4 +381,4 @@ class Coordinator:
             await asyncio.wait(pending, timeout=timeout)
 
     def state(self) -> dict[str, int]:
-        return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.ordered)}
+        return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.endpoint.ordered)}

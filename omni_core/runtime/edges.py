@@ -14,7 +14,6 @@ past the chunk when large.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -59,7 +58,7 @@ class Edges:
     """Relay instances of one process and the tensors that cross its edges."""
 
     def __init__(self, *, config: PipelineConfig, registry: Registry, run_id: str, process: str,
-                 runtime_dir: str, stages: tuple[str, ...], addresses: Mapping[str, str]):
+                 runtime_dir: str, stages: tuple[str, ...]):
         self.config = config
         self.registry = registry
         self.run_id = run_id
@@ -69,7 +68,6 @@ class Edges:
         self.relays: dict[str, Relay] = {}
         self._devices: dict[str, frozenset[str]] = {}
         self.log = get_logger(pipeline=config.name, process=process)
-        self._process_of = {address: (name or "coordinator") for name, address in addresses.items()}
 
     def relay(self, name: str) -> Relay:
         relay = self.relays.get(name)
@@ -83,9 +81,6 @@ class Edges:
                     options.update(relay_options(own, name))
             relay = self.relays[name] = cls(RelayContext(self.run_id, self.process, self.runtime_dir, options))
         return relay
-
-    def process_of(self, address: str) -> str:
-        return self._process_of.get(address, address)
 
     # -- out ------------------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """The stage host: the runtime of one stage process.
 
-``Host`` builds the process's stages with their factories, then serves: it handles every control
-message in order per request (:mod:`.ordered`), hands payloads and chunks to its stages, fans them
-out to TP followers, fails a request whose message cannot be used, and frees a request's state
-everywhere in the process when it ends. What goes out is the router's job (:mod:`.routing`); what
-crosses an edge is the edges' (:mod:`.edges`). The process's ``main`` is in :mod:`.child`.
+``Host`` builds the process's stages with their factories, then serves: it receives through the
+process's :class:`~.endpoint.Endpoint` (which fetches, orders and decodes data messages) and
+hands payloads and chunks to its stages, fans them out to TP followers, fails a request whose
+message cannot be used, and frees a request's state everywhere in the process when it ends. What
+goes out is the router's job (:mod:`.routing`); the stages and the router get narrow ports, not
+the host. The process's ``main`` is in :mod:`.child`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import inspect
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from .. import metrics, tracing
-from ..config.load import structure
 from ..config.schema import PipelineConfig, StageConfig
 from ..errors import ConfigError
 from ..logs import get_logger
@@ -29,13 +28,11 @@ from ..plugins import signature_text
 from ..registry import Registry
 from ..relay.inline import inline_transfer
 from ..relay.liveness import process_alive
-from ..relay.payload import pack, unpack
+from ..relay.payload import pack
 from . import wire
-from .channel import Inbox, Outbox
-from .edges import Edges
-from .ordered import OrderedDelivery
-from .routing import Router
-from .stage import StageRuntime
+from .endpoint import Endpoint
+from .routing import COORDINATOR, Router
+from .stage import StagePort, StageRuntime
 from .types import CALLER_RELAY, Bootstrap, Inbound, StageFunctions, WiringError
 
 __all__ = ["Bootstrap", "Host"]
@@ -79,22 +76,17 @@ _TRACES_MEMORY = 10_000
 
 
 class Host:
-    """The runtime of one stage process (also usable in-process for tests)."""
+    """The runtime of one stage process (also usable in-process for tests): ``config`` is the
+    pipeline's (``boot.config`` structured), ``endpoint`` the process's, opened for the run."""
 
-    def __init__(self, boot: Bootstrap, registry: Registry):
+    def __init__(self, boot: Bootstrap, config: PipelineConfig, registry: Registry, endpoint: Endpoint):
         self.boot = boot
         self.spec = boot.process
         self.name = boot.process.name
-        self.config: PipelineConfig = structure(boot.config)
+        self.config = config
         self.registry = registry
+        self.endpoint = endpoint
         self.log = get_logger(pipeline=self.config.name, process=self.spec.name)
-        self.zctx = zmq.Context(io_threads=1)
-        self.outbox = Outbox(self.zctx)
-        self.coordinator = boot.addresses[""]
-        self.edges = Edges(config=self.config, registry=registry, run_id=boot.run_id, process=self.spec.name,
-                           runtime_dir=boot.runtime_dir, stages=self.spec.stages, addresses=boot.addresses)
-        self.router = Router(self)
-        self.ordered = OrderedDelivery()
         self.stages: dict[str, StageRuntime] = {}
         #: While :meth:`build_stages` runs: the stage being built and the part of its config at
         #: stake (``".factory"``, ``".args"``, ``""``: the factory itself), for a failed start.
@@ -103,10 +95,22 @@ class Host:
         #: rid → the request's W3C traceparent, only while tracing is on (omni_core.tracing).
         self.traces: dict[int, str] = {}
         self.floor = 0  # every request below it has ended
-        self.inbox: Inbox | None = None
         self.stopping: asyncio.Event | None = None
         self.allow_pickle = self.config.allow_pickle
-        self._followers = [boot.addresses[f] for f in boot.followers]
+        self._followers = list(boot.followers)
+        self.router = Router(self.config, endpoint, routes=boot.routes, edge_relays=boot.edge_relays,
+                             stages=self.stages, traces=self.traces)
+        self._port = StagePort(fail=self.fail, is_ended=self.is_ended, release=endpoint.edges.cleanup,
+                               copy_out=endpoint.edges.copy_out, traces=self.traces, finish=self.router.finish,
+                               emit=self.router.emit)
+        endpoint.on_data(self)
+        handlers: dict[type, Callable[[Any], None]] = {
+            wire.StreamEnd: self._on_stream_end_message, wire.Credit: self.router.on_credit,
+            wire.Abort: self._on_end_message, wire.Forget: self._on_end_message,
+            wire.StateQuery: self._on_state_query, wire.Shutdown: self._on_shutdown,
+        }
+        for kind, handler in handlers.items():
+            endpoint.on(kind, handler)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -142,8 +146,9 @@ class Host:
                     self.building = (name, ".args")  # the call itself: arguments the factory does not take
                 raise
             self.stages[name] = StageRuntime(
-                self, stage, obj, _functions(self.registry, stage),
+                self._port, stage, obj, _functions(self.registry, stage),
                 stream_buffer=self.config.limits.stream_buffer, follower=not self.spec.is_leader,
+                streaming_sources=frozenset(s.name for s in self.config.stages if name in s.stream_to),
             )
         self.building = None
 
@@ -152,79 +157,45 @@ class Host:
     def is_ended(self, rid: int) -> bool:
         return rid < self.floor or rid in self.ended
 
-    def on_message(self, msg: wire.Message, frames: list) -> None:
-        if isinstance(msg, wire.Data):
-            self._on_data(msg, frames)
-        elif isinstance(msg, wire.StreamEnd):
-            if not self.is_ended(msg.rid):
-                self.ordered.run(msg.rid, lambda: self._on_stream_end(msg))
-        elif isinstance(msg, wire.Credit):
-            self.router.on_credit(msg)
-        elif isinstance(msg, (wire.Abort, wire.Forget)):
-            for follower in self._followers:
-                self.outbox.post(follower, msg)
-            if msg.rid:
-                self.forget(msg.rid)
-            if msg.floor > self.floor:
-                self._raise_floor(msg.floor)
-        elif isinstance(msg, wire.StateQuery):
-            self.outbox.post(self.coordinator, wire.StateReport(msg.token, self.name, self.state()))
-        elif isinstance(msg, wire.Shutdown):
-            if self.stopping is not None:
-                self.stopping.set()
-        else:
-            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
+    def _on_stream_end_message(self, msg: wire.StreamEnd) -> None:
+        if not self.is_ended(msg.rid):
+            self.endpoint.in_order(msg.rid, lambda: self._on_stream_end(msg))
 
-    def _on_data(self, msg: wire.Data, frames: list) -> None:
-        rid = msg.rid
-        if rid < self.floor or rid in self.ended:
-            return
+    def _on_end_message(self, msg: wire.Abort | wire.Forget) -> None:
+        self.endpoint.post_all(self._followers, msg)
+        if msg.rid:
+            self.forget(msg.rid)
+        if msg.floor > self.floor:
+            self._raise_floor(msg.floor)
+
+    def _on_state_query(self, msg: wire.StateQuery) -> None:
+        self.endpoint.post(COORDINATOR, wire.StateReport(msg.token, self.name, self.state()))
+
+    def _on_shutdown(self, msg: wire.Shutdown) -> None:
+        if self.stopping is not None:
+            self.stopping.set()
+
+    # The endpoint's DataReceiver: payloads and chunks for this process's stages.
+
+    def wanted(self, rid: int) -> bool:
+        return rid >= self.floor and rid not in self.ended
+
+    def screen(self, msg: wire.Data) -> bool:
         if msg.stage not in self.stages:
-            self.fail(rid, msg.stage or "?", WiringError(
+            self.fail(msg.rid, msg.stage or "?", WiringError(
                 f"process {self.name!r} received data for stage {msg.stage!r}, which it does not host "
                 f"(it hosts {', '.join(self.stages)})"))
-            return
-        if msg.nframes != len(frames):
-            self.fail(rid, msg.stage, ValueError(f"a message for stage {msg.stage!r} announced {msg.nframes} frames and carried {len(frames)}"))
-            return
+            return False
         if msg.kind not in ("work", "chunk"):
-            self.fail(rid, msg.stage, ValueError(f"a message for stage {msg.stage!r} has the unknown kind {msg.kind!r}"))
-            return
-        if msg.relay:
-            self.ordered.start(rid, lambda: self._receive(msg, frames))
-        elif self.ordered.busy(rid):  # behind a message of the request still being fetched
-            self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
-        else:
-            try:
-                self._decoded(msg, [], Inbound())
-            except Exception:
-                self.log.exception("message handling failed")
+            self.fail(msg.rid, msg.stage, ValueError(f"a message for stage {msg.stage!r} has the unknown kind {msg.kind!r}"))
+            return False
+        return True
 
-    async def _receive(self, msg: wire.Data, frames: list) -> None:
-        try:
-            tensors, inbound = await self.edges.get(msg.relay, msg.handle, [f.buffer for f in frames])
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: B902 - a bad handle fails this request only
-            self.fail(msg.rid, msg.stage, exc)
-            return
-        self._decoded(msg, tensors, inbound)
+    def reject(self, msg: wire.Data, exc: BaseException) -> None:
+        self.fail(msg.rid, msg.stage, exc)
 
-    def _decoded(self, msg: wire.Data, tensors: list, inbound: Inbound) -> None:
+    def deliver(self, msg: wire.Data, payload: Any, held: Inbound | None) -> None:
         rid = msg.rid
-        if rid < self.floor or rid in self.ended:
-            inbound.release()
-            return
-        held: Inbound | None = inbound
-        if msg.kind == "chunk" and tensors:
-            held = self.edges.detach_chunk(tensors, inbound)  # small chunks: copied, released
-        try:
-            payload = unpack(msg.skeleton, tensors, allow_pickle=self.allow_pickle)
-        except Exception as exc:
-            if held is not None:
-                held.release()
-            self.fail(msg.rid, msg.stage, exc)
-            return
         if msg.trace and rid not in self.traces:  # tracing: remember the request's context
             self.traces[rid] = msg.trace
             if len(self.traces) > _TRACES_MEMORY:
@@ -233,24 +204,23 @@ class Host:
             self._to_followers(msg, payload)
         stage = self.stages[msg.stage]
         if msg.kind == "work":
-            stage.on_payload(rid, msg.request_id, msg.src, payload, inbound)
+            stage.on_payload(rid, msg.request_id, msg.src, payload, held if held is not None else Inbound())
         else:
             stage.on_chunk(rid, msg.request_id, msg.src, payload, held, self._granter(msg))
 
-    def _granter(self, msg: wire.Data):
-        address = self.boot.addresses.get(msg.origin) if msg.origin else None
-        if address is None:
+    def _granter(self, msg: wire.Data) -> Callable[[int, bool], None] | None:
+        origin = msg.origin
+        if not origin or origin not in self.endpoint.addresses:
             return None
-        rid, stage, src = msg.rid, msg.stage, msg.src
+        rid, stage, src, post = msg.rid, msg.stage, msg.src, self.endpoint.post
 
         def grant(n: int, closed: bool) -> None:
-            self.outbox.post(address, wire.Credit(rid, stage, src, n, closed))
+            post(origin, wire.Credit(rid, stage, src, n, closed))
 
         return grant
 
     def _on_stream_end(self, msg: wire.StreamEnd) -> None:
-        for follower in self._followers:
-            self.outbox.post(follower, msg)
+        self.endpoint.post_all(self._followers, msg)
         stage = self.stages.get(msg.stage)
         if stage is not None:
             stage.on_stream_end(msg.rid, msg.src)
@@ -264,10 +234,10 @@ class Host:
         copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay,
                              transfer.handle, len(transfer.frames), "", msg.trace)
         for follower in self._followers:
-            self.outbox.post(follower, copy_msg, transfer.frames)
+            self.endpoint.post(follower, copy_msg, transfer.frames)
         # The leader's call may start at once (eagerly) and wait in a collective for its
         # followers: they must have their copy before it does, not at the end of the drain.
-        self.outbox.flush()
+        self.endpoint.flush()
 
     # -- ending ----------------------------------------------------------------------------------
 
@@ -281,11 +251,11 @@ class Host:
 
     def _clean(self, rid: int) -> None:
         self.traces.pop(rid, None)
-        self.ordered.drop(rid)
+        self.endpoint.forget(rid)
         for stage in self.stages.values():
             stage.forget(rid)
         self.router.forget(rid)
-        self.edges.cleanup(rid)
+        self.endpoint.edges.cleanup(rid)
 
     def _raise_floor(self, floor: int) -> None:
         """Every request below ``floor`` has ended: forget having seen them end, and free any
@@ -293,7 +263,7 @@ class Host:
         self.floor = floor
         self.ended = {rid for rid in self.ended if rid >= floor}
         stale = {rid for stage in self.stages.values() for rid in stage.requests() if rid < floor}
-        stale.update(rid for rid in (*self.ordered.keys(), *self.router.windows.requests()) if rid < floor)
+        stale.update(rid for rid in (*self.endpoint.ordered.keys(), *self.router.windows.requests()) if rid < floor)
         for rid in stale:
             self._clean(rid)
 
@@ -302,15 +272,16 @@ class Host:
         if self.is_ended(rid):
             return
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.outbox.post(self.coordinator, wire.Failed(rid, stage, type(exc).__name__, str(exc), tb))
+        self.endpoint.post(COORDINATOR, wire.Failed(rid, stage, type(exc).__name__, str(exc), tb))
         self.forget(rid)
 
     def state(self) -> dict[str, int]:
         """How many entries each per-request table of this process holds."""
-        out = {"ended": len(self.ended), "ordered": len(self.ordered), "windows": len(self.router.windows)}
+        endpoint = self.endpoint.state()
+        out = {"ended": len(self.ended), "ordered": endpoint.pop("ordered"), "windows": len(self.router.windows)}
         for stage in self.stages.values():
             out.update(stage.state())
-        out.update(self.edges.state())
+        out.update(endpoint)
         return out
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -335,12 +306,10 @@ class Host:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self.inbox = Inbox(self.zctx, self.boot.addresses[self.spec.name], self.on_message, name=self.spec.name,
-                           outbox=self.outbox)
-        self.inbox.start()
+        self.endpoint.listen()
         exporter = metrics.Exporter(self.boot.runtime_dir, self.spec.name).start()
         tracing.setup_process(self.spec.name)
-        await self.outbox.send(self.coordinator, wire.Ready(self.spec.name, os.getpid()))
+        await self.endpoint.send(COORDINATOR, wire.Ready(self.spec.name, os.getpid()))
         await self.stopping.wait()
         # Orphaned (the parent was killed): nobody reads the metrics; leave nothing in the runtime dir.
         exporter.close(remove=not process_alive(self.boot.parent_pid))
@@ -348,25 +317,22 @@ class Host:
         tracing.shutdown()
 
     async def close(self) -> None:
-        self.ordered.close()
+        endpoint = self.endpoint
+        endpoint.close_inbox()
         for stage in self.stages.values():
             try:
                 await stage.close()
             except Exception:
                 self.log.exception("stage close failed", stage=stage.name)
-        self.edges.close()
-        if self.inbox is not None:
-            self.inbox.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.outbox.send(self.coordinator, wire.Bye(self.spec.name)), 1.0)
-        self.outbox.close(linger_ms=1000)
-        self.zctx.term()
+            await asyncio.wait_for(endpoint.send(COORDINATOR, wire.Bye(self.spec.name)), 1.0)
+        endpoint.close(linger_ms=1000)
         address = self.boot.addresses[self.spec.name]
         with contextlib.suppress(OSError):
             os.unlink(address.removeprefix("ipc://"))
         if not process_alive(self.boot.parent_pid):
             # Orphaned (the parent was killed): nobody else will remove the runtime dir.
             with contextlib.suppress(OSError):
-                os.unlink(self.coordinator.removeprefix("ipc://"))
+                os.unlink(self.boot.addresses[COORDINATOR].removeprefix("ipc://"))
             with contextlib.suppress(OSError):
                 os.rmdir(self.boot.runtime_dir)

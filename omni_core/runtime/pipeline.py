@@ -1,8 +1,11 @@
 """The Python API of a running pipeline: :class:`Pipeline` and :func:`run`.
 
-``Pipeline`` is a thin facade over two parts with one job each: the :class:`~.runner.Runner`
-(runtime dir, launch, readiness, the supervision state machine, heartbeats, teardown) and the
-:class:`~.coordinator.Coordinator` (admission, the request table, results, streams, aborts).
+``Pipeline`` is a thin facade over the parts of the caller's process, each with one job, built
+here and handed what they use: the :class:`~.endpoint.Endpoint` (sockets, edges, the receive
+path), the :class:`~.lifecycle.Lifecycle` (the supervision state others read), the
+:class:`~.coordinator.Coordinator` (admission, the request table, results, streams, aborts) and
+the :class:`~.runner.Runner` (runtime dir, launch, readiness, the supervision state machine,
+heartbeats, teardown).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any
 
 from ..config import PipelineConfig, load_config
 from ..config.validate import stage_arg_check_issues
-from ..errors import ConfigError, RequestAborted
+from ..errors import ConfigError
 from ..logs import get_logger
 from ..plan.topology import Plan, build_plan
 from ..plugins import get_registry
 from ..registry import Registry
 from .coordinator import Coordinator
+from .endpoint import Endpoint
+from .lifecycle import Lifecycle
 from .requests import Event
 from .runner import RUNTIME_DIR_PREFIX, Runner, sweep_stale_runtime_dirs
 
@@ -40,16 +45,10 @@ class Pipeline:
         self.registry = registry if registry is not None else get_registry()
         self.log = get_logger(pipeline=self.config.name)
         self.plan: Plan | None = None
-        self.coordinator = Coordinator(self.config, self.registry)
-        self.runner = Runner(
-            self.config, self.registry,
-            on_request_message=self.coordinator.on_message,
-            on_death=self.coordinator.fail_where,
-            on_stopping=self.coordinator.drain,
-            on_stopped=self._abort_all,
-            in_flight=lambda: len(self.coordinator.requests),
-        )
-        self.coordinator.runner = self.runner
+        self.lifecycle = Lifecycle(self.config.name)
+        self.endpoint = Endpoint(self.config, self.registry, process="coordinator", origin="")
+        self.coordinator = Coordinator(self.config, self.registry, self.endpoint, self.lifecycle)
+        self.runner = Runner(self.config, self.registry, self.endpoint, self.lifecycle, self.coordinator)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -69,6 +68,7 @@ class Pipeline:
                 raise ConfigError(issues)
             self.plan = build_plan(self.config, self.registry, gpus=self.gpus)
             self.coordinator.bind(self.plan)
+        assert self.plan is not None  # planned above, by this call or the first one
         await self.runner.start(self.plan)
         self.plan = self.runner.plan  # as launched: a multi-node launcher marks the edges that cross nodes
 
@@ -77,21 +77,16 @@ class Pipeline:
         within ``timeout`` seconds (default ``limits.stop_timeout``). Idempotent."""
         await self.runner.stop(timeout)
 
-    def _abort_all(self, reason: BaseException | None) -> None:
-        suffix = f" ({reason})" if reason is not None else ""
-        self.coordinator.fail_all(lambda req: RequestAborted(
-            f"request {req.request_id!r} aborted: the pipeline stopped{suffix}", request_id=req.request_id))
-
     # -- state -----------------------------------------------------------------------------------
 
     @property
     def state(self) -> str:
         """``new``, ``starting``, ``running``, ``restarting``, ``stopping`` or ``stopped``."""
-        return self.runner.state
+        return self.lifecycle.state
 
     @property
     def running(self) -> bool:
-        return self.runner.state == "running"
+        return self.lifecycle.state == "running"
 
     @property
     def run_id(self) -> str:
@@ -104,12 +99,12 @@ class Pipeline:
     @property
     def addresses(self) -> dict[str, str]:
         """The control-plane address of every process (``""``: the coordinator)."""
-        return self.runner.addresses
+        return self.endpoint.addresses
 
     @property
     def handles(self) -> dict:
         """Process name → the launcher's handle of every stage process."""
-        return self.runner.handles
+        return self.lifecycle.handles
 
     @property
     def requests(self) -> dict:
@@ -127,7 +122,7 @@ class Pipeline:
 
     def pids(self) -> dict[str, int | None]:
         """Process name → pid of every stage process."""
-        return {name: h.pid for name, h in self.runner.handles.items()}
+        return {name: h.pid for name, h in self.lifecycle.handles.items()}
 
     def process_states(self) -> dict[str, dict]:
         """Process name → ``{"state": ..., "restarts": n}`` (see ``Runner.process_states``)."""

@@ -13,50 +13,51 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..config.schema import PipelineConfig
 from ..plan.topology import OBJECT_RELAY, replica_index
 from ..relay.payload import pack
 from . import wire
+from .endpoint import Endpoint
 from .flow import Windows
 from .types import CALLER_RELAY, Inbound, WiringError, chosen_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .host import Host
     from .stage import StageRuntime
 
 #: The consumer name of the caller's stream in a window key.
 CALLER = ""
+#: The coordinator's process name on the wire.
+COORDINATOR = ""
 
 
 class Router:
-    """Sends what the stages of one process produce."""
+    """Sends what the stages of one process produce, through the process's ``endpoint``:
+    ``routes`` (stage → the processes serving it, one per replica), ``edge_relays`` (the relay
+    of every edge), the process's ``stages`` (targets here get objects) and the requests'
+    ``traces`` (read only)."""
 
-    def __init__(self, host: Host):
-        self.host = host
-        boot = host.boot
-        self.edge_relays = boot.edge_relays
-        self.coordinator = boot.addresses[""]
-        self.allow_pickle = host.config.allow_pickle
-        self.windows = Windows(host.config.limits.stream_buffer)
-        self.stall_timeout = host.config.limits.stream_stall_timeout
-        self._addresses_of = {stage: [boot.addresses[p] for p in procs] for stage, procs in boot.routes.items()}
+    def __init__(self, config: PipelineConfig, endpoint: Endpoint, *, routes: Mapping[str, Sequence[str]],
+                 edge_relays: Mapping[tuple[str, str, str], str], stages: Mapping[str, StageRuntime],
+                 traces: Mapping[int, str]):
+        self.endpoint = endpoint
+        self.edge_relays = edge_relays
+        self.stages = stages
+        self.traces = traces
+        self.allow_pickle = config.allow_pickle
+        self.windows = Windows(config.limits.stream_buffer)
+        self.stall_timeout = config.limits.stream_stall_timeout
+        self._processes_of = {stage: list(procs) for stage, procs in routes.items()}
 
-    def address(self, stage: str, rid: int) -> str:
-        addrs = self._addresses_of[stage]
-        return addrs[replica_index(rid, len(addrs))] if len(addrs) > 1 else addrs[0]
+    def process(self, stage: str, rid: int) -> str:
+        """The process that serves ``stage`` for request ``rid``."""
+        procs = self._processes_of[stage]
+        return procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
 
     async def send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
-                        address: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
-        host = self.host
-        if tensors:
-            relay_name, handle, frames = await host.edges.put(relay_name, rid, tensors, host.edges.process_of(address))
-            msg = wire.Data(kind, rid, request_id, dst, src, skeleton, relay_name, handle, len(frames), host.name,
-                            host.traces.get(rid, ""))
-            await host.outbox.send(address, msg, frames)
-        else:
-            fut = host.outbox.post(address, wire.Data(kind, rid, request_id, dst, src, skeleton, origin=host.name,
-                                                      trace=host.traces.get(rid, "") if host.traces else ""))
-            if fut is not None:
-                await fut
+                        to: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
+        traces = self.traces
+        await self.endpoint.send_data(to, kind, rid, request_id, dst, src, relay_name, skeleton, tensors,
+                                      traces.get(rid, "") if traces else "")
 
     async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
                        targets: Sequence[str], payloads: Mapping[str, Any] | None, value: Any = None) -> None:
@@ -78,12 +79,12 @@ class Router:
             if entry is None:
                 entry = packed[id(payload)] = pack(payload, allow_pickle=self.allow_pickle)
             skeleton, tensors = entry
-            addrs = self._addresses_of[target]
-            address = addrs[replica_index(rid, len(addrs))] if len(addrs) > 1 else addrs[0]
-            await self.send_data(kind, rid, request_id, name, target, address, relay, skeleton, tensors)
+            procs = self._processes_of[target]
+            to = procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
+            await self.send_data(kind, rid, request_id, name, target, to, relay, skeleton, tensors)
         if not local:
             return
-        stages = self.host.stages
+        stages = self.stages
         for i, target in enumerate(local):
             payload = value if payloads is None else payloads[target]
             shared = any((value if payloads is None else payloads[t]) is payload for t in local[i + 1:])
@@ -105,7 +106,7 @@ class Router:
             # A plain stage: the result goes to the caller (terminal) and to every next stage.
             if cfg.terminal:
                 skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-                await self.send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY,
+                await self.send_data("result", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY,
                                      skeleton, tensors)
             if cfg.next:
                 await self._deliver("work", stage, rid, request_id, cfg.next, None, result)
@@ -120,21 +121,21 @@ class Router:
         if cfg.stream_to and fns.stream_done is not None:
             answer = fns.stream_done(request_id, result)
             done_to = [] if answer is None else chosen_names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
-        host = self.host
+        endpoint = self.endpoint
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-            await self.send_data("result", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+            await self.send_data("result", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY, skeleton, tensors)
         if fns.route is not None:
             dropped = [t for t in cfg.next if t not in targets]
             if dropped:
-                await host.outbox.send(self.coordinator, wire.Dropped(rid, cfg.name, dropped))
+                await endpoint.send(COORDINATOR, wire.Dropped(rid, cfg.name, dropped))
         if targets:
             await self._deliver("work", stage, rid, request_id, targets, payloads, result)
         for target in done_to:
             if self.edge_relays[(cfg.name, target, "stream")] == OBJECT_RELAY:
-                host.stages[target].on_stream_end(rid, cfg.name)
+                self.stages[target].on_stream_end(rid, cfg.name)
             else:
-                await host.outbox.send(self.address(target, rid), wire.StreamEnd(rid, target, cfg.name))
+                await endpoint.send(self.process(target, rid), wire.StreamEnd(rid, target, cfg.name))
         self.windows.drop(rid, cfg.name)
 
     async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
@@ -156,7 +157,7 @@ class Router:
             await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
         if cfg.terminal and await self._credit(rid, cfg.name, CALLER):
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
-            await self.send_data("event", rid, request_id, cfg.name, cfg.name, self.coordinator, CALLER_RELAY, skeleton, tensors)
+            await self.send_data("event", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY, skeleton, tensors)
 
     async def _credit(self, rid: int, src: str, dst: str) -> bool:
         window = self.windows.get(rid, src, dst)

@@ -25,27 +25,28 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
 from ..config import PipelineConfig, to_dict
-from ..contracts import ProcessHandle, launcher_class
+from ..contracts import Launcher, ProcessHandle, launcher_class
 from ..errors import PipelineClosed, ProcessDied, ProcessHung, StartupError
 from ..logs import get_logger
 from ..plan.topology import OBJECT_RELAY, Plan, endpoints
 from ..registry import Registry
 from . import wire
-from .channel import Inbox, Outbox
+from .endpoint import Endpoint
+from .lifecycle import STATES, Lifecycle
 from .types import CALLER_RELAY, Bootstrap
+
+__all__ = ["RUNTIME_DIR_PREFIX", "STATES", "Requests", "Runner", "signal_name", "sweep_stale_runtime_dirs"]
 
 RUNTIME_DIR_PREFIX = "omni-run-"
 
 #: Seconds a failed start waits for more failures (several processes failing at once are all
 #: reported) and a process that died while starting waits for the StartFailed it may have sent.
 START_FAILURE_GRACE = 0.2
-
-STATES = ("new", "starting", "running", "restarting", "stopping", "stopped")
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -57,8 +58,12 @@ def signal_name(exitcode: int | None) -> str | None:
     return None
 
 
-def _failure(fut: asyncio.Future) -> BaseException | None:
-    return None if fut.cancelled() else fut.exception()
+def _failure(fut: asyncio.Future) -> StartupError | None:
+    """Why a process's readiness failed (its future only ever fails with a StartupError)."""
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is None or isinstance(exc, StartupError):
+        return exc
+    return StartupError(f"{type(exc).__name__}: {exc}")
 
 
 def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) -> list[str]:
@@ -82,33 +87,45 @@ def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) 
     return removed
 
 
+class Requests(Protocol):
+    """What supervision does to the requests in flight (the coordinator's request table)."""
+
+    def fail_where(self, processes: set[str], error: Callable[[Any], BaseException]) -> int:
+        """Fail every request that may use one of ``processes`` (``error(request)`` says how);
+        returns how many."""
+
+    async def drain(self, deadline: float) -> None:
+        """Wait for the requests in flight until ``deadline`` (monotonic)."""
+
+    def abort_all(self, reason: BaseException | None) -> None:
+        """The pipeline stopped (``reason``: why, when it was not asked to): fail what is left."""
+
+    def in_flight(self) -> int:
+        """How many requests are in flight."""
+
+
 class Runner:
     """Starts, supervises and stops the processes of one plan.
 
-    ``on_request_message(msg, frames)`` gets what concerns requests (data, failures, drops);
-    ``on_death(processes, make_error)`` fails the requests that may use those processes;
-    ``in_flight()`` counts the requests in flight (logged when the pipeline stops)."""
+    It talks to them through the caller's ``endpoint`` (it handles their readiness, heartbeats,
+    goodbyes and state reports there), publishes the pipeline's and the processes' state in
+    ``lifecycle``, and fails, drains or aborts ``requests`` when processes die or the pipeline
+    stops."""
 
-    def __init__(self, config: PipelineConfig, registry: Registry, *,
-                 on_request_message: Callable[[wire.Message, list], None],
-                 on_death: Callable[[set[str], Callable[[Any], BaseException]], int],
-                 on_stopping: Callable[[float], Any], on_stopped: Callable[[BaseException], None],
-                 in_flight: Callable[[], int] | None = None):
+    #: The event loop the runner started in (set by :meth:`start`).
+    _loop: asyncio.AbstractEventLoop
+
+    def __init__(self, config: PipelineConfig, registry: Registry, endpoint: Endpoint, lifecycle: Lifecycle,
+                 requests: Requests):
         self.config = config
         self.registry = registry
+        self.endpoint = endpoint
+        self.lifecycle = lifecycle
+        self.requests = requests
         self.log = get_logger(pipeline=config.name)
-        self._on_request_message = on_request_message
-        self._on_death = on_death
-        self._on_stopping = on_stopping
-        self._on_stopped = on_stopped
-        self._in_flight = in_flight or (lambda: None)  # requests in flight, for the stop event
-        self.state = "new"
-        self.closed_reason: BaseException | None = None
         self.plan: Plan | None = None
         self.run_id = ""
         self.runtime_dir: str | None = None
-        self.addresses: dict[str, str] = {}
-        self.handles: dict[str, ProcessHandle] = {}
         self.boots: dict[str, Bootstrap] = {}
         self.restarts = 0
         self._ready: dict[str, asyncio.Future] = {}
@@ -118,45 +135,40 @@ class Runner:
         self._dead: set[str] = set()  # processes that died while serving, until relaunched
         self._restarting: dict[str, asyncio.Task] = {}  # group leader → its restart
         self._again: set[str] = set()  # groups to restart once more (a death during their restart)
-        self._running = asyncio.Event()
         self._stop_task: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
         self._reports: dict[int, tuple[asyncio.Future, dict[str, dict[str, int]], set[str]]] = {}
-        self._zctx = None
-        self.inbox: Inbox | None = None
-        self.outbox: Outbox | None = None
-        self.launcher = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.launcher: Launcher | None = None
+        endpoint.on(wire.Heartbeat, self._on_heartbeat)
+        endpoint.on(wire.Ready, self._on_ready)
+        endpoint.on(wire.StartFailed, self._on_start_failed)
+        endpoint.on(wire.Bye, self._on_bye)
+        endpoint.on(wire.StateReport, self._on_state_report)
 
     # -- state ------------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        return self.lifecycle.state
+
+    @property
+    def closed_reason(self) -> BaseException | None:
+        return self.lifecycle.closed_reason
+
+    @property
+    def handles(self) -> dict[str, ProcessHandle]:
+        return self.lifecycle.handles
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Every process's address as the caller reaches it (``""``: the caller's own)."""
+        return self.endpoint.addresses
+
     def _set_state(self, state: str) -> None:
-        if state != self.state:
-            self.log.debug("pipeline state", state=state, was=self.state)
-        self.state = state
-        if state == "running":
-            self._running.set()
-        else:
-            self._running.clear()
-
-    async def wait_running(self, timeout: float | None) -> None:
-        """Wait while a restart is under way (at most ``timeout`` seconds)."""
-        with contextlib.suppress(TimeoutError):
-            waiter = asyncio.ensure_future(self._running.wait())
-            stopping = asyncio.ensure_future(self._wait_state({"stopping", "stopped"}))
-            try:
-                await asyncio.wait_for(asyncio.wait({waiter, stopping}, return_when=asyncio.FIRST_COMPLETED), timeout)
-            finally:
-                waiter.cancel()
-                stopping.cancel()
-
-    async def _wait_state(self, states: set[str]) -> None:
-        while self.state not in states:
-            await asyncio.sleep(0.05)
+        self.lifecycle.set(state)
 
     def live(self, name: str) -> bool:
-        handle = self.handles.get(name)
-        return handle is not None and handle.exitcode is None
+        return self.lifecycle.live(name)
 
     def process_states(self) -> dict[str, dict[str, Any]]:
         """Process name → its supervision state and restarts: ``state`` is ``starting``,
@@ -210,8 +222,6 @@ class Runner:
         self._monitor = self._loop.create_task(self._watch_heartbeats())
 
     async def _start(self, plan: Plan) -> None:
-        import zmq
-
         cfg = self.config
         self.plan = plan
         base = cfg.endpoints.ipc_dir or tempfile.gettempdir()
@@ -226,11 +236,8 @@ class Runner:
         self.launcher = launcher_cls(dict(cfg.launcher.options))
         plan, views = self._place(plan)
         self.plan = plan
-        self.addresses = views[""]
-        self._zctx = zmq.Context(io_threads=1)
-        self.inbox = Inbox(self._zctx, self.addresses[""], self._on_message, name="coordinator")
-        self.inbox.start()
-        self.outbox = Outbox(self._zctx)
+        self.endpoint.open(run_id=self.run_id, runtime_dir=self.runtime_dir, addresses=views[""])
+        self.endpoint.listen()
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
         edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
         config_data = to_dict(cfg)
@@ -261,6 +268,7 @@ class Runner:
         with ``prepare`` (one that spans machines) places the processes, binds tcp inboxes where
         a sender is on another node, and returns the plan with the edges that cross nodes marked
         (their relays chosen for it) plus each process's view."""
+        assert self.launcher is not None and self.runtime_dir is not None  # made by _start
         placed = self.launcher.prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
         if placed is not None:
             return placed
@@ -272,6 +280,7 @@ class Runner:
         self._heard.pop(name, None)
         self._hung.pop(name, None)
         self._dead.discard(name)
+        assert self.launcher is not None  # made by _start
         handle = self.launcher.start(self.boots[name])
         self.handles[name] = handle
         self._loop.add_reader(handle.sentinel, self._on_exit, name, handle)
@@ -302,52 +311,47 @@ class Runner:
 
     # -- messages ---------------------------------------------------------------------------------
 
-    def _on_message(self, msg: wire.Message, frames: list) -> None:
-        if isinstance(msg, (wire.Data, wire.Failed, wire.Dropped)):
-            self._on_request_message(msg, frames)
-        elif isinstance(msg, wire.Heartbeat):
-            boot = self.boots.get(msg.process)
-            if boot is not None and boot.generation == msg.generation and msg.process in self._heard:
-                self._heard[msg.process] = time.monotonic()
-        elif isinstance(msg, wire.Ready):
-            fut = self._ready.get(msg.process)
-            if fut is not None and not fut.done():
-                self._heard[msg.process] = time.monotonic()
-                self.log.info("process ready", process=msg.process, pid=msg.pid)
-                fut.set_result(msg.pid)
-        elif isinstance(msg, wire.StartFailed):
-            fut = self._ready.get(msg.process)
-            if fut is not None and not fut.done():
-                if msg.stage:
-                    text = f"{msg.path}: stage {msg.stage!r} failed to start (process {msg.process!r}): {msg.message}"
-                else:
-                    text = f"process {msg.process!r} failed to start: {msg.message}"
-                self.log.info("process failed to start", process=msg.process, pid=msg.pid, stage=msg.stage or None,
-                              path=msg.path or None, error=msg.message.splitlines()[0] if msg.message else "")
-                fut.set_exception(StartupError(text, process=msg.process, traceback=msg.traceback,
-                                               stage=msg.stage or None, path=msg.path or None, detail=msg.message))
-        elif isinstance(msg, wire.Bye):
-            fut = self._byes.get(msg.process)
-            if fut is not None and not fut.done():
+    def _on_heartbeat(self, msg: wire.Heartbeat) -> None:
+        boot = self.boots.get(msg.process)
+        if boot is not None and boot.generation == msg.generation and msg.process in self._heard:
+            self._heard[msg.process] = time.monotonic()
+
+    def _on_ready(self, msg: wire.Ready) -> None:
+        fut = self._ready.get(msg.process)
+        if fut is not None and not fut.done():
+            self._heard[msg.process] = time.monotonic()
+            self.log.info("process ready", process=msg.process, pid=msg.pid)
+            fut.set_result(msg.pid)
+
+    def _on_start_failed(self, msg: wire.StartFailed) -> None:
+        fut = self._ready.get(msg.process)
+        if fut is not None and not fut.done():
+            if msg.stage:
+                text = f"{msg.path}: stage {msg.stage!r} failed to start (process {msg.process!r}): {msg.message}"
+            else:
+                text = f"process {msg.process!r} failed to start: {msg.message}"
+            self.log.info("process failed to start", process=msg.process, pid=msg.pid, stage=msg.stage or None,
+                          path=msg.path or None, error=msg.message.splitlines()[0] if msg.message else "")
+            fut.set_exception(StartupError(text, process=msg.process, traceback=msg.traceback,
+                                           stage=msg.stage or None, path=msg.path or None, detail=msg.message))
+
+    def _on_bye(self, msg: wire.Bye) -> None:
+        fut = self._byes.get(msg.process)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _on_state_report(self, msg: wire.StateReport) -> None:
+        entry = self._reports.get(msg.token)
+        if entry is not None:
+            fut, reports, waiting = entry
+            reports[msg.process] = dict(msg.state)
+            waiting.discard(msg.process)
+            if not waiting and not fut.done():
                 fut.set_result(None)
-        elif isinstance(msg, wire.StateReport):
-            entry = self._reports.get(msg.token)
-            if entry is not None:
-                fut, reports, waiting = entry
-                reports[msg.process] = dict(msg.state)
-                waiting.discard(msg.process)
-                if not waiting and not fut.done():
-                    fut.set_result(None)
-        else:
-            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
 
     def broadcast(self, msg: Any, names: Iterable[str] | None = None) -> None:
         """Post ``msg`` to the processes ``names`` (default: all) that are alive."""
-        if self.outbox is None:
-            return
-        for name in self.handles if names is None else names:
-            if self.live(name):
-                self.outbox.post(self.addresses[name], msg)
+        self.endpoint.post_all(self.lifecycle.live_of(names), msg)
 
     async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """Per-request state every live process holds (table → entries)."""
@@ -409,7 +413,7 @@ class Runner:
 
         group = self.group_of(name)
         self._heard.pop(name, None)
-        failed = self._on_death(set(group), error)
+        failed = self.requests.fail_where(set(group), error)
         self.log.error("stage process hung" if silent is not None else "stage process died", process=name,
                        pid=handle.pid, exitcode=code, signal=signal_name(code), reason=reason, failed_requests=failed)
         leader = group[0]
@@ -422,7 +426,7 @@ class Runner:
             self._set_state("restarting")
             self._restarting[leader] = self._loop.create_task(self._restart(leader, group))
         else:
-            self.closed_reason = error(None)
+            self.lifecycle.closed_reason = error(None)
             if policy.policy == "on-failure":
                 self.log.error("restart limit reached; stopping", max_restarts=policy.max_restarts)
             self._begin_stop()
@@ -448,7 +452,7 @@ class Runner:
                     policy = self.config.restart
                     if self.restarts >= policy.max_restarts:
                         self.log.error("restart failed", group=group, error=str(exc))
-                        self.closed_reason = exc
+                        self.lifecycle.closed_reason = exc
                         self._begin_stop()
                         return
                     self.restarts += 1
@@ -511,7 +515,7 @@ class Runner:
         self._set_state("stopping")
         if reason is None:
             reason = str(self.closed_reason).splitlines()[0] if self.closed_reason is not None else "stop requested"
-        self.log.info("pipeline stopping", reason=reason, in_flight=self._in_flight())
+        self.log.info("pipeline stopping", reason=reason, in_flight=self.requests.in_flight())
         self._stop_task = self._loop.create_task(self._stop(timeout))
 
     async def _stop(self, timeout: float | None) -> None:
@@ -522,8 +526,8 @@ class Runner:
             task.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
-        await self._on_stopping(start + total * 0.5)
-        self._on_stopped(self.closed_reason)
+        await self.requests.drain(start + total * 0.5)
+        self.requests.abort_all(self.closed_reason)
         await self._teardown(deadline)
         self._set_state("stopped")
         self.log.info("pipeline stopped", stop_time_s=round(time.monotonic() - start, 3))
@@ -543,10 +547,9 @@ class Runner:
             unready = [n for n in alive if not self._is_ready(n)]
             for name in unready:
                 alive.pop(name).terminate()
-        if alive and self.outbox is not None:
+        if alive:
             self._byes = {n: self._loop.create_future() for n in alive}
-            for name in alive:
-                self.outbox.post(self.addresses[name], wire.Shutdown())
+            self.endpoint.post_all(alive, wire.Shutdown())
             await asyncio.wait(list(self._byes.values()), timeout=span * 0.5)
         join_by = start + span * 0.7
         for handle in self.handles.values():
@@ -566,13 +569,7 @@ class Runner:
         if self.launcher is not None:
             with contextlib.suppress(Exception):
                 self.launcher.close()
-        if self.inbox is not None:
-            self.inbox.close()
-        if self.outbox is not None:
-            self.outbox.close(linger_ms=0)
-        if self._zctx is not None:
-            self._zctx.term()
-            self._zctx = None
+        self.endpoint.close(linger_ms=0)
         self._sweep_relays()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)

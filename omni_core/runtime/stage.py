@@ -20,9 +20,10 @@ import contextlib
 import contextvars
 import inspect
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from structlog.contextvars import bind_contextvars
@@ -37,10 +38,7 @@ from .flow import Grant, StreamBuffer, StreamClosed
 from .ordered import Resume
 from .types import Inbound, StageFunctions, WiringError, chosen_names
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .host import Host
-
-__all__ = ["Inbound", "StageFunctions", "StageRuntime", "WiringError"]
+__all__ = ["Inbound", "StageFunctions", "StagePort", "StageRuntime", "WiringError"]
 
 log = get_logger()
 
@@ -93,11 +91,12 @@ class _Starting:
         return True
 
     def cancelling(self) -> int:
-        return self.task.cancelling() if self.task is not None else self._cancels
+        # Task.cancelling/uncancel are 3.11+, as are their callers (asyncio.timeout, TaskGroup).
+        return self.task.cancelling() if self.task is not None else self._cancels  # type: ignore[attr-defined]
 
     def uncancel(self) -> int:
         if self.task is not None:
-            return self.task.uncancel()
+            return self.task.uncancel()  # type: ignore[attr-defined]
         if self._cancels:
             self._cancels -= 1
         return self._cancels
@@ -166,13 +165,32 @@ def _is_async_callable(obj: Any) -> bool:
     return inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(type(obj).__call__)
 
 
-class StageRuntime:
-    """Serves one stage of one process. Created by the host after the factory ran."""
+@attrs.frozen
+class StagePort:
+    """What a stage uses of its process, handed to it by the host: fail a request (``fail(rid,
+    stage, exc)``), whether a request ended (``is_ended``), free a request's relay memory
+    (``release``), copy what views relay memory out of a result (``copy_out``), the trace
+    context of requests (``traces``, read only), and the router's ``finish`` (a call's result
+    goes on) and ``emit`` (a stream chunk goes on)."""
 
-    def __init__(self, host: Host, cfg: StageConfig, obj: Any, fns: StageFunctions, *, stream_buffer: int, follower: bool = False):
+    fail: Callable[[int, str, BaseException], None]
+    is_ended: Callable[[int], bool]
+    release: Callable[[int], None]
+    copy_out: Callable[[Any, set], Any]
+    traces: Mapping[int, str]
+    finish: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
+    emit: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
+
+
+class StageRuntime:
+    """Serves one stage of one process. Created by the host after the factory ran;
+    ``streaming_sources``: the stages that stream to this one."""
+
+    def __init__(self, port: StagePort, cfg: StageConfig, obj: Any, fns: StageFunctions, *, stream_buffer: int,
+                 streaming_sources: frozenset[str] = frozenset(), follower: bool = False):
         if not callable(obj):
             raise PluginError(f"stage {cfg.name!r}: the factory returned {type(obj).__name__}, which is not callable")
-        self.host = host
+        self.port = port
         self.cfg = cfg
         self.name = cfg.name
         self.obj = obj
@@ -184,13 +202,13 @@ class StageRuntime:
         concurrency = 1 if cfg.tp_size > 1 else cfg.max_concurrency
         self.slots = _Slots(concurrency)
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
-        self.running: dict[int, asyncio.Task] = {}
+        self.running: dict[int, asyncio.Task | _Starting] = {}  # a stand-in until the call suspends
         self.contexts: dict[int, StageContext] = {}
         self.inbounds: dict[int, Inbound] = {}  # what each running call received
         self.fan_in: dict[int, _FanIn] = {}
         self.streams: dict[int, dict[str, StreamBuffer]] = {}
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
-        self.streaming_sources = {s.name for s in host.config.stages if cfg.name in s.stream_to}
+        self.streaming_sources = streaming_sources
         #: can_accept_stream_before_payload: the call starts on the first chunk if it comes first
         self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(self.streaming_sources)
         #: calls started on a chunk whose payload has not come: their context, None once the
@@ -227,10 +245,13 @@ class StageRuntime:
             needed = state.needed if state.needed is not None else list(self.cfg.wait_for)
             if not all(name in state.arrived for name in needed):
                 return
-            merged = self.fns.merge({name: state.arrived[name] for name in needed})
+            merge = self.fns.merge
+            if merge is None:  # validation requires merge_fn with wait_for
+                raise WiringError(f"stage {self.name!r} waits for several stages but has no merge_fn")
+            merged = merge({name: state.arrived[name] for name in needed})
         except BaseException as exc:  # noqa: B902 - user code: fail the request, keep serving
             self._drop_fan_in(rid)
-            self.host.fail(rid, self.name, exc)
+            self.port.fail(rid, self.name, exc)
             return
         state.started = True
         state.arrived.clear()
@@ -250,12 +271,14 @@ class StageRuntime:
             return
         if rid in self.running or rid in self.finished:
             inbound.release()
-            self.host.fail(rid, self.name, WiringError(f"stage {self.name!r} received a second payload for the request (from {src!r})"))
+            self.port.fail(rid, self.name, WiringError(f"stage {self.name!r} received a second payload for the request (from {src!r})"))
             return
         self._start(rid, request_id, payload, inbound)
 
     def _wait_for_subset(self, request_id: str, src: str, payload: Any) -> list[str] | None:
-        answer = self.fns.wait_for(request_id, src, payload)
+        wait_for = self.fns.wait_for
+        assert wait_for is not None  # asked only of a stage with a wait_for_fn
+        answer = wait_for(request_id, src, payload)
         if answer is None:
             return None
         return chosen_names(answer, self.cfg.wait_for, f"wait_for_fn {self.cfg.wait_for_fn!r} of stage {self.name!r}")
@@ -267,7 +290,7 @@ class StageRuntime:
         if src not in self.streaming_sources:
             if inbound is not None:
                 inbound.release()
-            self.host.fail(rid, self.name, WiringError(f"stage {src!r} streamed to {self.name!r} but it is not in its stream_to"))
+            self.port.fail(rid, self.name, WiringError(f"stage {src!r} streamed to {self.name!r} but it is not in its stream_to"))
             return
         if rid in self.finished:  # the call here already returned: it reads no more
             if inbound is not None:
@@ -327,7 +350,8 @@ class StageRuntime:
                 self._ended(rid, stand_in, inbound)
                 return
             resume = Resume(coro, first)
-        task = loop.create_task(resume, context=context) if _TASK_CONTEXT else context.run(loop.create_task, resume)
+        task = (loop.create_task(resume, context=context) if _TASK_CONTEXT  # type: ignore[call-arg]  # 3.11+
+                else context.run(loop.create_task, resume))
         stand_in.task = task
         if self.running.get(rid) is stand_in:
             self.running[rid] = task
@@ -339,10 +363,10 @@ class StageRuntime:
 
     def _ended(self, rid: int, task: Any, inbound: Inbound) -> None:
         inbound.release()
-        if self.host.is_ended(rid):
+        if self.port.is_ended(rid):
             # Cancelled by the request's end: whatever a relay put was handing out when the
             # cancellation came (a credit just granted) is freed now, after the call is gone.
-            self.host.edges.cleanup(rid)
+            self.port.release(rid)
         if self.running.get(rid) is task:
             del self.running[rid]
             self.inbounds.pop(rid, None)
@@ -362,7 +386,8 @@ class StageRuntime:
             try:
                 started = perf_counter()
                 metrics.stage_started(self.name)
-                parent = self.host.traces.get(rid) if self.host.traces else None
+                traces = self.port.traces
+                parent = traces.get(rid) if traces else None
                 if parent:
                     with tracing.stage_span(self.name, request_id=request_id, parent=parent):
                         result = await self._call(payload, ctx)
@@ -380,24 +405,24 @@ class StageRuntime:
                 if not self.follower:
                     storages = inbound.storages | self._stream_storages(rid) if streams else inbound.storages
                     if storages:
-                        result = self.host.edges.copy_out(result, storages)
+                        result = self.port.copy_out(result, storages)
                 if streams:
                     self._close_streams(rid)
                 if self.follower:  # only the TP leader's result goes downstream
                     return
-                await self.host.router.finish(self, rid, request_id, result)
+                await self.port.finish(self, rid, request_id, result)
             finally:
                 slots.release()
         except asyncio.CancelledError:
             if started is not None:
                 metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", perf_counter() - started, request_id)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
-                self.host.fail(rid, self.name, StageCancelled(
+                self.port.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
             if started is not None:
                 metrics.stage_call(self.name, "error", perf_counter() - started, request_id)
-            self.host.fail(rid, self.name, exc)
+            self.port.fail(rid, self.name, exc)
         finally:
             ctx._end()
             if self.awaiting.get(rid) is ctx:  # returned without its payload: drop it when it comes
@@ -424,9 +449,9 @@ class StageRuntime:
             if rid in self.streams:
                 lent = lent | self._stream_storages(rid)
             if lent:  # a chunk viewing received relay memory outlives this call where it goes
-                chunk = self.host.edges.copy_out(chunk, lent)
+                chunk = self.port.copy_out(chunk, lent)
             metrics.stream_chunk(self.name)
-            await self.host.router.emit(self, rid, request_id, chunk)
+            await self.port.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
 
@@ -468,8 +493,9 @@ class StageRuntime:
     async def close(self) -> None:
         for rid in list(self.running):
             self.forget(rid)
-        if self.running:
-            await asyncio.wait(list(self.running.values()), timeout=2)
+        tasks = [t for t in self.running.values() if isinstance(t, asyncio.Task)]  # stand-ins only last a step
+        if tasks:
+            await asyncio.wait(tasks, timeout=2)
         for rid in list(self.fan_in):
             self._drop_fan_in(rid)
         for rid in list(self.streams):

@@ -1,0 +1,243 @@
+"""One process's end of the control plane: :class:`Endpoint`.
+
+Every process of a running pipeline has one endpoint, the caller's process (the coordinator's)
+included. It owns what every process needs to talk to the others, written once:
+
+- the sockets: the process's inbox and its outbox (:mod:`.channel`), peers named by process
+  name (``""``: the coordinator);
+- the edges (:class:`~.edges.Edges`): relay instances, tensors out (``send_data``) and in;
+- the receive path of data messages: relay ``get`` → per-request order (:mod:`.ordered`) →
+  small chunks copied out of relay memory → ``unpack``, then the owner's
+  :class:`DataReceiver`;
+- dispatch of every other message by its type to the handler its owner registered with
+  :meth:`Endpoint.on`.
+
+The owner (:class:`~.host.Host` in a stage process; :class:`~.runner.Runner` and
+:class:`~.coordinator.Coordinator` in the caller's) receives the endpoint when it is built and
+registers its handlers there; the endpoint knows nothing of stages, requests or supervision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import zmq
+
+from ..config.schema import PipelineConfig
+from ..logs import get_logger
+from ..registry import Registry
+from ..relay.payload import unpack
+from . import wire
+from .channel import Inbox, Outbox
+from .edges import Edges
+from .ordered import OrderedDelivery
+from .types import Inbound
+
+__all__ = ["DataReceiver", "Endpoint"]
+
+
+class DataReceiver(Protocol):
+    """What an endpoint's owner does with data messages (``wire.Data``)."""
+
+    def wanted(self, rid: int) -> bool:
+        """Whether request ``rid`` is still live here (asked on arrival and again once its
+        tensors are in); a message of an ended request is dropped, its relay memory released."""
+
+    def screen(self, msg: wire.Data) -> bool:
+        """Checks of the owner's own before anything is fetched; False drops the message (the
+        owner has failed its request)."""
+
+    def deliver(self, msg: wire.Data, payload: Any, inbound: Inbound | None) -> None:
+        """The decoded payload, in the order the sender sent its messages for the request;
+        ``inbound``: what to release once the receiver is done with it (None: nothing)."""
+
+    def reject(self, msg: wire.Data, exc: BaseException) -> None:
+        """The message cannot be used (bad frames, a relay ``get`` that failed, a payload that
+        does not decode): fail its request."""
+
+
+class Endpoint:
+    """The sockets, edges and receive path of one process (see the module docstring).
+
+    ``process`` names the process in relay contexts and metrics (``"coordinator"`` for the
+    caller's); ``origin`` is its name on the wire (``""`` for the coordinator)."""
+
+    #: The relay instances and tensors of this process's edges (made by :meth:`open`).
+    edges: Edges
+
+    def __init__(self, config: PipelineConfig, registry: Registry, *, process: str, origin: str):
+        self.config = config
+        self.registry = registry
+        self.process = process
+        self.origin = origin
+        self.log = get_logger(pipeline=config.name, process=process)
+        self.allow_pickle = config.allow_pickle
+        self.ordered = OrderedDelivery()
+        self.addresses: dict[str, str] = {}
+        self._zctx: zmq.Context | None = zmq.Context(io_threads=1)
+        self.outbox = Outbox(self._zctx)
+        self._inbox: Inbox | None = None
+        self._opened = False
+        self._handlers: dict[type, Callable[[Any], None]] = {}
+        self._receiver: DataReceiver | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def on(self, kind: type, handler: Callable[[Any], None]) -> None:
+        """Messages of type ``kind`` go to ``handler(message)``."""
+        if kind is wire.Data:
+            raise TypeError("data messages go to the endpoint's DataReceiver (on_data)")
+        self._handlers[kind] = handler
+
+    def on_data(self, receiver: DataReceiver) -> None:
+        self._receiver = receiver
+
+    def open(self, *, run_id: str, runtime_dir: str, addresses: Mapping[str, str],
+             stages: tuple[str, ...] = ()) -> None:
+        """Make the edges for a run: ``addresses`` maps every process name (``""``: the
+        coordinator) to its inbox address as this process reaches it."""
+        self.addresses = dict(addresses)
+        self._opened = True
+        self.edges = Edges(config=self.config, registry=self.registry, run_id=run_id, process=self.process,
+                           runtime_dir=runtime_dir, stages=stages)
+
+    def listen(self) -> None:
+        """Bind this process's inbox and start reading it (in the running event loop)."""
+        assert self._zctx is not None and self._opened, "open() first"
+        self._inbox = Inbox(self._zctx, self.addresses[self.origin], self._dispatch, name=self.process or "coordinator",
+                            outbox=self.outbox)
+        self._inbox.start()
+
+    # -- out ----------------------------------------------------------------------------------------
+
+    def post(self, to: str, msg: Any, frames: Any = ()) -> Any:
+        """Send ``msg`` to process ``to`` without waiting (see :meth:`.Outbox.post`)."""
+        return self.outbox.post(self.addresses[to], msg, frames)
+
+    async def send(self, to: str, msg: Any, frames: Any = ()) -> None:
+        """Send ``msg`` to process ``to``, waiting while its queue is full."""
+        await self.outbox.send(self.addresses[to], msg, frames)
+
+    def post_all(self, names: Iterable[str], msg: Any) -> None:
+        for name in names:
+            self.outbox.post(self.addresses[name], msg)
+
+    def flush(self) -> None:
+        """What waits for the end of the loop turn or of an inbox drain leaves now."""
+        self.outbox.flush()
+
+    async def send_data(self, to: str, kind: str, rid: int, request_id: str, stage: str, src: str,
+                        relay: str, skeleton: bytes, tensors: list, trace: str = "") -> None:
+        """Send a packed payload to process ``to`` (for ``stage``): its tensors through the edge's
+        ``relay``, the message after them, waiting while the peer's queue is full."""
+        address = self.addresses[to]
+        outbox = self.outbox
+        if tensors:
+            relay, handle, frames = await self.edges.put(relay, rid, tensors, to or "coordinator")
+            await outbox.send(address, wire.Data(kind, rid, request_id, stage, src, skeleton, relay, handle,
+                                                 len(frames), self.origin, trace), frames)
+        else:
+            fut = outbox.post(address, wire.Data(kind, rid, request_id, stage, src, skeleton,
+                                                 origin=self.origin, trace=trace))
+            if fut is not None:
+                await fut
+
+    # -- in -----------------------------------------------------------------------------------------
+
+    def in_order(self, rid: int, step: Callable[[], None]) -> None:
+        """Run ``step`` after what request ``rid`` still has on its way in (at once if nothing)."""
+        self.ordered.run(rid, step)
+
+    def forget(self, rid: int) -> None:
+        """Request ``rid`` ended here: drop what of it is still on its way in."""
+        self.ordered.drop(rid)
+
+    def _dispatch(self, msg: wire.Message, frames: list) -> None:
+        if type(msg) is wire.Data:
+            self._on_data(msg, frames)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
+            return
+        handler(msg)
+
+    def _on_data(self, msg: wire.Data, frames: list) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            self.log.warning("dropped a data message: nothing receives data here", stage=msg.stage)
+            return
+        rid = msg.rid
+        if not receiver.wanted(rid) or not receiver.screen(msg):
+            return
+        if msg.nframes != len(frames):
+            receiver.reject(msg, ValueError(
+                f"a message for stage {msg.stage!r} announced {msg.nframes} frames and carried {len(frames)}"))
+            return
+        if msg.relay:
+            self.ordered.start(rid, lambda: self._receive(msg, frames))
+        elif self.ordered.busy(rid):  # behind a message of the request still being fetched
+            self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
+        else:
+            try:
+                self._decoded(msg, [], Inbound())
+            except Exception:
+                self.log.exception("message handling failed")
+
+    async def _receive(self, msg: wire.Data, frames: list) -> None:
+        try:
+            tensors, inbound = await self.edges.get(msg.relay, msg.handle, [f.buffer for f in frames])
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: B902 - a bad handle fails this request only
+            receiver = self._receiver
+            assert receiver is not None  # only data a receiver wanted gets here
+            receiver.reject(msg, exc)
+            return
+        self._decoded(msg, tensors, inbound)
+
+    def _decoded(self, msg: wire.Data, tensors: list, inbound: Inbound) -> None:
+        receiver = self._receiver
+        assert receiver is not None  # only data a receiver wanted gets here
+        if not receiver.wanted(msg.rid):
+            inbound.release()
+            return
+        held: Inbound | None = inbound
+        if msg.kind == "chunk" and tensors:
+            held = Edges.detach_chunk(tensors, inbound)  # small chunks: copied, released
+        try:
+            payload = unpack(msg.skeleton, tensors, allow_pickle=self.allow_pickle)
+        except Exception as exc:
+            if held is not None:
+                held.release()
+            receiver.reject(msg, exc)
+            return
+        receiver.deliver(msg, payload, held)
+
+    # -- end ----------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, int]:
+        out = {"ordered": len(self.ordered)}
+        if self._opened:
+            out.update(self.edges.state())
+        return out
+
+    def close_inbox(self) -> None:
+        """Stop receiving (what is on its way in is dropped)."""
+        self.ordered.close()
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
+
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close the inbox, the edges' relays, the outbox (waiting up to ``linger_ms`` for what it
+        still holds to leave) and the sockets' context."""
+        self.close_inbox()
+        if self._opened:
+            self.edges.close()
+        self.outbox.close(linger_ms=linger_ms)
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
