@@ -242,7 +242,9 @@ class Coordinator:
     def wanted(self, rid: int) -> bool:
         return rid in self.requests
 
-    def screen(self, msg: wire.Data) -> bool:
+    def accept(self, msg: wire.Data) -> bool:
+        if msg.rid not in self.requests:
+            return False
         if msg.relay and msg.relay != CALLER_RELAY:
             self.reject(msg, ValueError(f"results must come through the {CALLER_RELAY!r} relay, not {msg.relay!r}"))
             return False

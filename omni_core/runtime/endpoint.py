@@ -41,13 +41,13 @@ __all__ = ["DataReceiver", "Endpoint"]
 class DataReceiver(Protocol):
     """What an endpoint's owner does with data messages (``wire.Data``)."""
 
-    def wanted(self, rid: int) -> bool:
-        """Whether request ``rid`` is still live here (asked on arrival and again once its
-        tensors are in); a message of an ended request is dropped, its relay memory released."""
+    def accept(self, msg: wire.Data) -> bool:
+        """On arrival, before anything is fetched: False drops the message (its request ended
+        here, or the owner's own checks failed it and the owner has failed its request)."""
 
-    def screen(self, msg: wire.Data) -> bool:
-        """Checks of the owner's own before anything is fetched; False drops the message (the
-        owner has failed its request)."""
+    def wanted(self, rid: int) -> bool:
+        """Whether request ``rid`` is still live here once a message's tensors are in (a relay
+        ``get`` may wait); if not, the message is dropped and its relay memory released."""
 
     def deliver(self, msg: wire.Data, payload: Any, inbound: Inbound | None) -> None:
         """The decoded payload, in the order the sender sent its messages for the request;
@@ -155,34 +155,32 @@ class Endpoint:
         self.ordered.drop(rid)
 
     def _dispatch(self, msg: wire.Message, frames: list) -> None:
-        if type(msg) is wire.Data:
-            self._on_data(msg, frames)
+        """The inbox's handler: every message of this process comes through here."""
+        if type(msg) is not wire.Data:
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
+            else:
+                handler(msg)
             return
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self.log.warning("dropped an unexpected control message", message=type(msg).__name__)
-            return
-        handler(msg)
-
-    def _on_data(self, msg: wire.Data, frames: list) -> None:
         receiver = self._receiver
         if receiver is None:
             self.log.warning("dropped a data message: nothing receives data here", stage=msg.stage)
             return
-        rid = msg.rid
-        if not receiver.wanted(rid) or not receiver.screen(msg):
+        if not receiver.accept(msg):
             return
         if msg.nframes != len(frames):
             receiver.reject(msg, ValueError(
                 f"a message for stage {msg.stage!r} announced {msg.nframes} frames and carried {len(frames)}"))
             return
+        rid = msg.rid
         if msg.relay:
             self.ordered.start(rid, lambda: self._receive(msg, frames))
         elif self.ordered.busy(rid):  # behind a message of the request still being fetched
             self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
-        else:
+        else:  # accepted just now: decoded at once
             try:
-                self._decoded(msg, [], Inbound())
+                self._decoded(msg, [], Inbound(), checked=True)
             except Exception:
                 self.log.exception("message handling failed")
 
@@ -198,10 +196,10 @@ class Endpoint:
             return
         self._decoded(msg, tensors, inbound)
 
-    def _decoded(self, msg: wire.Data, tensors: list, inbound: Inbound) -> None:
+    def _decoded(self, msg: wire.Data, tensors: list, inbound: Inbound, checked: bool = False) -> None:
         receiver = self._receiver
-        assert receiver is not None  # only data a receiver wanted gets here
-        if not receiver.wanted(msg.rid):
+        assert receiver is not None  # only data a receiver accepted gets here
+        if not checked and not receiver.wanted(msg.rid):
             inbound.release()
             return
         held: Inbound | None = inbound

@@ -180,7 +180,10 @@ class Host:
     def wanted(self, rid: int) -> bool:
         return rid >= self.floor and rid not in self.ended
 
-    def screen(self, msg: wire.Data) -> bool:
+    def accept(self, msg: wire.Data) -> bool:
+        rid = msg.rid
+        if rid < self.floor or rid in self.ended:
+            return False
         if msg.stage not in self.stages:
             self.fail(msg.rid, msg.stage or "?", WiringError(
                 f"process {self.name!r} received data for stage {msg.stage!r}, which it does not host "

@@ -53,11 +53,9 @@ class Router:
         procs = self._processes_of[stage]
         return procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
 
-    async def send_data(self, kind: str, rid: int, request_id: str, src: str, dst: str,
-                        to: str, relay_name: str, skeleton: bytes, tensors: list) -> None:
+    def _trace(self, rid: int) -> str:
         traces = self.traces
-        await self.endpoint.send_data(to, kind, rid, request_id, dst, src, relay_name, skeleton, tensors,
-                                      traces.get(rid, "") if traces else "")
+        return traces.get(rid, "") if traces else ""
 
     async def _deliver(self, kind: str, stage: StageRuntime, rid: int, request_id: str,
                        targets: Sequence[str], payloads: Mapping[str, Any] | None, value: Any = None) -> None:
@@ -81,7 +79,8 @@ class Router:
             skeleton, tensors = entry
             procs = self._processes_of[target]
             to = procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
-            await self.send_data(kind, rid, request_id, name, target, to, relay, skeleton, tensors)
+            await self.endpoint.send_data(to, kind, rid, request_id, target, name, relay, skeleton, tensors,
+                                          self.traces.get(rid, "") if self.traces else "")
         if not local:
             return
         stages = self.stages
@@ -106,8 +105,8 @@ class Router:
             # A plain stage: the result goes to the caller (terminal) and to every next stage.
             if cfg.terminal:
                 skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-                await self.send_data("result", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY,
-                                     skeleton, tensors)
+                await self.endpoint.send_data(COORDINATOR, "result", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
+                                              skeleton, tensors, self.traces.get(rid, "") if self.traces else "")
             if cfg.next:
                 await self._deliver("work", stage, rid, request_id, cfg.next, None, result)
             self.windows.drop(rid, cfg.name)
@@ -124,7 +123,8 @@ class Router:
         endpoint = self.endpoint
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-            await self.send_data("result", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY, skeleton, tensors)
+            await endpoint.send_data(COORDINATOR, "result", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
+                                     skeleton, tensors, self._trace(rid))
         if fns.route is not None:
             dropped = [t for t in cfg.next if t not in targets]
             if dropped:
@@ -157,7 +157,8 @@ class Router:
             await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
         if cfg.terminal and await self._credit(rid, cfg.name, CALLER):
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
-            await self.send_data("event", rid, request_id, cfg.name, cfg.name, COORDINATOR, CALLER_RELAY, skeleton, tensors)
+            await self.endpoint.send_data(COORDINATOR, "event", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
+                                          skeleton, tensors, self._trace(rid))
 
     async def _credit(self, rid: int, src: str, dst: str) -> bool:
         window = self.windows.get(rid, src, dst)

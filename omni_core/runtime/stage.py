@@ -371,7 +371,8 @@ class StageRuntime:
             del self.running[rid]
             self.inbounds.pop(rid, None)
             self.contexts.pop(rid, None)
-            self._close_streams(rid)
+            if rid in self.streams:
+                self._close_streams(rid)
 
     async def _run(self, rid: int, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
         request_id = ctx.request_id
