@@ -20,6 +20,7 @@ registers its handlers there; the endpoint knows nothing of stages, requests or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -167,22 +168,28 @@ class Endpoint:
         if receiver is None:
             self.log.warning("dropped a data message: nothing receives data here", stage=msg.stage)
             return
-        if not receiver.accept(msg):
-            return
-        if msg.nframes != len(frames):
-            receiver.reject(msg, ValueError(
-                f"a message for stage {msg.stage!r} announced {msg.nframes} frames and carried {len(frames)}"))
-            return
-        rid = msg.rid
-        if msg.relay:
-            self.ordered.start(rid, lambda: self._receive(msg, frames))
-        elif self.ordered.busy(rid):  # behind a message of the request still being fetched
-            self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
-        else:  # accepted just now: decoded at once
-            try:
+        try:
+            if not receiver.accept(msg):
+                return
+            if msg.nframes != len(frames):
+                receiver.reject(msg, ValueError(
+                    f"a message for stage {msg.stage!r} announced {msg.nframes} frames and carried {len(frames)}"))
+                return
+            rid = msg.rid
+            if msg.relay:
+                self.ordered.start(rid, lambda: self._receive(msg, frames))
+            elif self.ordered.busy(rid):  # behind a message of the request still being fetched
+                self.ordered.run(rid, lambda: self._decoded(msg, [], Inbound()))
+            else:  # accepted just now: decoded at once
                 self._decoded(msg, [], Inbound(), checked=True)
-            except Exception:
-                self.log.exception("message handling failed")
+        except Exception as exc:
+            self._broken(receiver, msg, exc)
+
+    def _broken(self, receiver: DataReceiver, msg: wire.Data, exc: Exception) -> None:
+        """Handling a data message raised (a bug): its request fails rather than wait forever."""
+        self.log.exception("data message handling failed", stage=msg.stage)
+        with contextlib.suppress(Exception):
+            receiver.reject(msg, exc)
 
     async def _receive(self, msg: wire.Data, frames: list) -> None:
         try:
@@ -212,7 +219,10 @@ class Endpoint:
                 held.release()
             receiver.reject(msg, exc)
             return
-        receiver.deliver(msg, payload, held)
+        try:
+            receiver.deliver(msg, payload, held)
+        except Exception as exc:
+            self._broken(receiver, msg, exc)
 
     # -- end ----------------------------------------------------------------------------------------
 
