@@ -106,7 +106,7 @@ class Launcher(abc.ABC):
     that reads a stage's ``launch:`` mapping overrides :meth:`validate_launch`.
     """
 
-    def __init__(self, options: Mapping[str, Any]) -> None:  # noqa: B027 - a launcher may take none
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:  # noqa: B027 - a launcher may take none
         """``options``: the config's ``launcher.options``."""
 
     @abc.abstractmethod
