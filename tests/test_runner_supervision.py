@@ -451,11 +451,6 @@ def test_several_processes_failing_together_give_one_error_listing_them(rig):
     assert r.state == "stopped"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runner.py: a process that dies while starting without a StartFailed is only failed "
-    "START_FAILURE_GRACE after its death (_on_exit's call_later), and _wait_ready waits for "
-    "siblings for that same START_FAILURE_GRACE after the first failure: a death within the "
-    "grace after another process's StartFailed is not listed"))
 def test_a_death_within_the_grace_after_another_start_failure_is_listed_too(rig):
     r = rig([stage("a", next="b"), stage("b", next="c"), stage("c", terminal=True)])
 
@@ -814,11 +809,6 @@ def test_a_death_while_stopping_is_expected_no_request_fails_and_nothing_restart
     assert r.lifecycle.history == ["starting", "running", "stopping", "stopped"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runner.py _teardown waits for every Bye up to half the stop span (asyncio.wait on "
-    "self._byes, timeout=span * 0.5) even for a process that exited meanwhile without one: "
-    "_on_exit returns early while stopping and never resolves its Bye future, so a process that "
-    "crashes on Shutdown makes stop() take stop_timeout / 2 for nothing"))
 def test_stop_does_not_wait_for_the_bye_of_a_process_that_already_exited(rig):
     r = rig([stage("a", terminal=True)], limits={"stop_timeout": 2.0})
 

@@ -304,8 +304,9 @@ class Runner:
                 )
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if any(_failure(fut) for fut in done):
-                if pending:  # siblings failing with the same cause report within moments
-                    more, pending = await asyncio.wait(pending, timeout=START_FAILURE_GRACE)
+                if pending:  # siblings failing with the same cause report within moments; a death
+                    # counts START_FAILURE_GRACE after it happened (its StartFailed may follow)
+                    more, pending = await asyncio.wait(pending, timeout=2 * START_FAILURE_GRACE)
                     done |= more
                 raise StartupError.several([exc for fut in waiting if fut in done and (exc := _failure(fut))])
 
@@ -399,6 +400,9 @@ class Runner:
             # be on its way, says more than the exit.
             self._loop.call_later(START_FAILURE_GRACE, fail)
             return
+        bye = self._byes.get(name)
+        if bye is not None and not bye.done():  # gone without a Bye: nothing more to wait for
+            bye.set_result(None)
         if self.state in ("stopping", "stopped", "new", "starting"):
             return  # expected (stopping), or handled by the start (starting)
         silent = self._hung.pop(name, None)
