@@ -59,6 +59,8 @@ class Coordinator:
         self._terminal_fn: Callable[[Any], Any] | None = None
         self._stateful: list[str] = []
         self._processes: list[str] = []
+        self._entry = config.entry
+        self._terminals = tuple(config.terminal_stages)
         self._uses: dict[str, list[list[str]]] = {}
         self._batch = max(1, config.limits.stream_buffer // 4)
         self._behind: set[str] = set()  # processes that may remember ended requests
@@ -104,7 +106,7 @@ class Coordinator:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in flight; ids can be reused once their request ended")
-        expected = set(self.config.terminal_stages)
+        expected = set(self._terminals)
         rid = self._next_rid
         if request_id is None:
             request_id = f"req-{rid}"
@@ -125,7 +127,7 @@ class Coordinator:
 
     def _terminals_for(self, inputs: Any, request_id: str) -> set[str]:
         fn_name = self.config.terminal_stages_fn
-        terminals = self.config.terminal_stages
+        terminals = self._terminals
         assert self._terminal_fn is not None
         try:
             answer = self._terminal_fn(inputs)
@@ -133,7 +135,7 @@ class Coordinator:
             raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id, error_type=type(exc).__name__,
                              traceback="".join(traceback.format_exception(exc))) from None
         try:
-            return set(chosen_names(answer, tuple(terminals), f"terminal_stages_fn {fn_name!r}",
+            return set(chosen_names(answer, terminals, f"terminal_stages_fn {fn_name!r}",
                                     none_is_all=True, empty_ok=False))
         except WiringError as exc:
             raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id,
@@ -165,7 +167,7 @@ class Coordinator:
             request_id=req.request_id))
 
     async def _send_inputs(self, req: Request, inputs: Any) -> None:
-        entry = self.config.entry
+        entry = self._entry
         leaders = self._uses[entry][replica_index(req.rid, len(self._uses[entry]))]
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         await self.endpoint.send_data(leaders[0], "work", req.rid, req.request_id, entry, "", CALLER_RELAY,

@@ -50,7 +50,7 @@ class Request:
 
     @property
     def complete(self) -> bool:
-        return self.expected <= set(self.results)
+        return self.expected <= self.results.keys()
 
     def value(self) -> Any:
         if self.multi:
