@@ -206,15 +206,16 @@ class MicroBatcher(Generic[T, R]):
         if self._closed:
             raise BatcherClosed(f"batcher {self.name!r} is closed")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
+        wake = self._wake
+        if wake is None:
             self._loop = loop
-            self._wake = asyncio.Event()
-            self._worker = loop.create_task(self._work(), name=f"batcher:{self.name}")
+            self._wake = wake = asyncio.Event()
+            self._worker = loop.create_task(self._work(loop, wake), name=f"batcher:{self.name}")
         elif loop is not self._loop:
             raise RuntimeError(f"batcher {self.name!r} is bound to another event loop; create one per loop")
         future = loop.create_future()
         self._waiting.append(_Waiting(item, future, loop.time()))
-        self._wake.set()
+        wake.set()
         return await future
 
     async def close(self) -> None:
@@ -230,10 +231,10 @@ class MicroBatcher(Generic[T, R]):
 
     # -- the worker ------------------------------------------------------------------------------
 
-    async def _work(self) -> None:
+    async def _work(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
         try:
             while True:
-                batch = await self._next_batch()
+                batch = await self._next_batch(loop, wake)
                 await self._run(batch)
         except asyncio.CancelledError:
             raise
@@ -247,23 +248,22 @@ class MicroBatcher(Generic[T, R]):
         if any(w.future.done() for w in self._waiting):
             self._waiting = deque(w for w in self._waiting if not w.future.done())
 
-    async def _next_batch(self) -> list[_Waiting]:
-        loop = self._loop
+    async def _next_batch(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> list[_Waiting]:
         while True:
             self._prune()
             if not self._waiting:
-                self._wake.clear()
-                await self._wake.wait()
+                wake.clear()
+                await wake.wait()
                 continue
             if len(self._waiting) >= self.max_batch_size:
                 break
             deadline = self._waiting[0].arrived + self.max_wait
             if loop.time() >= deadline:
                 break
-            self._wake.clear()
-            timer = loop.call_at(deadline, self._wake.set)
+            wake.clear()
+            timer = loop.call_at(deadline, wake.set)
             try:
-                await self._wake.wait()
+                await wake.wait()
             finally:
                 timer.cancel()
         return [self._waiting.popleft() for _ in range(min(self.max_batch_size, len(self._waiting)))]

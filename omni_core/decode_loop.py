@@ -278,9 +278,9 @@ class DecodeLoop:
         for label, value, low in (("max_batch_size", max_batch_size, 1), ("max_pending_outputs", max_pending_outputs, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{label} must be an integer of at least {low}, got {value!r}")
-        for label, value in (("memory_budget", memory_budget), ("max_prefill_tokens", max_prefill_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{label} must be a positive integer or None, got {value!r}")
+        for label, limit in (("memory_budget", memory_budget), ("max_prefill_tokens", max_prefill_tokens)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise ValueError(f"{label} must be a positive integer or None, got {limit!r}")
         self.max_batch_size = max_batch_size
         self.memory_budget = memory_budget
         self.max_prefill_tokens = max_prefill_tokens
@@ -359,7 +359,8 @@ class DecodeLoop:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def _bind(self) -> None:
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        """Bind to the running event loop (see the class docstring) and return it."""
         loop = asyncio.get_running_loop()
         if self._loop is not None and loop is not self._loop and self._loop.is_closed():
             self._loop = None  # its event loop ended (asyncio.run returned): start afresh on this one
@@ -368,10 +369,11 @@ class DecodeLoop:
             self._memory = 0
         if self._loop is None:
             self._loop = loop
-            self._wake = asyncio.Event()
-            self._worker = loop.create_task(self._work(), name=f"decode-loop:{self.name}")
+            self._wake = wake = asyncio.Event()
+            self._worker = loop.create_task(self._work(wake), name=f"decode-loop:{self.name}")
         elif loop is not self._loop:
             raise RuntimeError(f"decode loop {self.name!r} is bound to another running event loop; create one per loop")
+        return loop
 
     def _fits(self, row: Row) -> bool:
         if len(self._live) >= self.max_batch_size:
@@ -381,11 +383,11 @@ class DecodeLoop:
     async def _admit(self, row: Row) -> None:
         if self._closed:
             raise LoopClosed(f"decode loop {self.name!r} is closed")
-        self._bind()
+        loop = self._bind()
         if not self._waiting and self._fits(row):
             self._enter(row)
             return
-        future = self._loop.create_future()
+        future = loop.create_future()
         self._waiting.append((row, future))
         try:
             await future
@@ -467,13 +469,13 @@ class DecodeLoop:
             rows.append(row)
         return rows
 
-    async def _work(self) -> None:
+    async def _work(self, wake: asyncio.Event) -> None:
         try:
             while True:
                 rows = self._plan()
                 if not rows:
-                    self._wake.clear()
-                    await self._wake.wait()
+                    wake.clear()
+                    await wake.wait()
                     continue
                 await self._run(rows)
         except asyncio.CancelledError:
