@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 #: The one default level of every omni command and process (``OMNI_LOG_LEVEL``, ``--log-level``).
 DEFAULT_LEVEL = "warning"
@@ -52,7 +53,7 @@ def remove_listener(callback: Callable[[dict], None]) -> None:
         _listeners.remove(callback)
 
 
-def _dispatch(logger: object, method: str, event_dict: dict) -> dict:
+def _dispatch(logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
     """Hand the event to the listeners, then drop it if it is below the output level (events
     reach here from ``info`` up, so that listeners see them at the default level too)."""
     for callback in list(_listeners):
@@ -142,7 +143,7 @@ class _RoutedLogger(logging.Logger):
     level rules) whenever the library configures itself, before or after omni does."""
 
     @property
-    def propagate(self) -> bool:  # type: ignore[override]
+    def propagate(self) -> bool:
         return True
 
     @propagate.setter
@@ -214,7 +215,7 @@ def configure_logging(level: str | int | None = None, *, json: bool | None = Non
         fmt = os.environ.get("OMNI_LOG_FORMAT")
         json = fmt == "json" if fmt in ("json", "console") else not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    stamp: list[Processor] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -38,7 +38,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
 #: Seconds between two exports of a stage process's metrics (only when something changed).
@@ -119,10 +119,10 @@ def merge(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             for labels, value in rows:
                 series[tuple(labels)] = series.get(tuple(labels), 0.0) + value
         for name, rows in snap.get("histograms", {}).items():
-            series = histograms.setdefault(name, {})
+            counts = histograms.setdefault(name, {})
             for labels, row in rows:
-                have = series.get(tuple(labels))
-                series[tuple(labels)] = list(row) if have is None else [a + b for a, b in zip(have, row, strict=True)]
+                have = counts.get(tuple(labels))
+                counts[tuple(labels)] = list(row) if have is None else [a + b for a, b in zip(have, row, strict=True)]
     return {
         "values": {n: [[list(k), v] for k, v in s.items()] for n, s in values.items()},
         "histograms": {n: [[list(k), v] for k, v in s.items()] for n, s in histograms.items()},
@@ -335,7 +335,7 @@ class RequestMeter:
             self.ended(status, seconds)
             self._remember(request_id, status, wall, seconds, None, error)
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncIterator[Any]:
+    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Any, None]:
         wall, start = time.time(), time.perf_counter()
         self._gauge(+1)
         status = "aborted"  # left before the result: the caller stopped reading

@@ -344,6 +344,11 @@ def _implements(pm: pluggy.PluginManager, plugin: object, hook_name: str) -> boo
     return any(impl.plugin is plugin for impl in getattr(pm.hook, hook_name).get_hookimpls())
 
 
+def _given(obj: object) -> Callable[[], object]:
+    """The loader of a plugin handed in already loaded (``extra``)."""
+    return lambda: obj
+
+
 def load_plugins(
     *,
     env: Mapping[str, str] | None = None,
@@ -387,7 +392,7 @@ def load_plugins(
             registry.skipped.append(f"plugin {name!r} (disabled by OMNI_DISABLED_PLUGINS)")
             continue
         info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
-        candidates.append((info, lambda obj=obj: obj))
+        candidates.append((info, _given(obj)))
 
     warnings = (_unknown_selectors("OMNI_LOAD_PLUGINS", env.get("OMNI_LOAD_PLUGINS"), known)
                 + _unknown_selectors("OMNI_DISABLED_PLUGINS", env.get("OMNI_DISABLED_PLUGINS"), known))

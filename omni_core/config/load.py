@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,7 @@ def _port_range(value: Any, _: Any) -> tuple[int, int] | None:
     raise _TypeMismatch("[first_port, last_port] with 0 < first <= last < 65536", value)
 
 
-def _section(conv: cattrs.Converter, cls: type, what: str, shorthand: str | None = None, **overrides: Any):
+def _section(conv: cattrs.Converter, cls: type[Any], what: str, shorthand: str | None = None, **overrides: Any):
     """Structure hook of one config section: a mapping with only the keys of ``cls``.
 
     With ``shorthand``, a plain string means ``{shorthand: string}`` (``relay: shm`` is short for
@@ -198,6 +198,11 @@ def _stage_list(conv: cattrs.Converter):
     return hook
 
 
+def _is(tp: Any) -> Callable[[Any], bool]:
+    """The predicate of a structure hook for exactly the type ``tp``."""
+    return lambda t: t == tp
+
+
 def _literal(value: Any, tp: Any) -> Any:
     allowed = typing.get_args(tp)
     if value not in allowed:
@@ -210,7 +215,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(lambda t: typing.get_origin(t) is typing.Literal, _literal)
     for tp in (int, float, bool, str):
         conv.register_structure_hook(tp, _strict(tp))
-    exact = {
+    exact: dict[Any, Callable[[Any, Any], Any]] = {
         tuple[str, ...]: _names,
         tuple[int, ...] | None: _gpus,
         tuple[int, int] | None: _port_range,
@@ -219,7 +224,7 @@ def _make_converter() -> cattrs.Converter:
         RelayConfig | None: lambda v, _: None if v is None else conv.structure(v, RelayConfig),
     }
     for tp, hook in exact.items():
-        conv.register_structure_hook_func(lambda t, tp=tp: t == tp, hook)
+        conv.register_structure_hook_func(_is(tp), hook)
     # One GPU id goes out as a single id, the form that means "consecutive GPUs" for a TP stage,
     # so a config survives to_dict and back (a one-element list is an error for tp_size > 1).
     conv.register_unstructure_hook_func(

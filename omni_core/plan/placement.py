@@ -142,8 +142,10 @@ def stage_share(request: PlacementRequest, stage: StageDemand, device: Device) -
     """The fraction of ``device``'s budget one process of ``stage`` takes, and whether the stage
     declared it (False: the default share). A byte amount on a device of unknown memory is a
     ConfigError naming the stage and the GPU."""
-    declared = stage.memory is not None
-    amount = stage.memory if declared else request.default_memory
+    amount = stage.memory
+    declared = amount is not None
+    if amount is None:
+        amount = request.default_memory
     if amount <= 1:
         return amount, declared
     if device.memory is None:
@@ -218,7 +220,9 @@ def gpu_loads(request: PlacementRequest, placement: Mapping[str, Sequence[int | 
     held: dict[int, list[Holder]] = {d.index: [] for d in request.devices}
     for stage in request.stages:
         for replica, rank, gpu in slot_ids(placement, stage):
-            device = request.device(gpu) if gpu is not None else None
+            if gpu is None:
+                continue
+            device = request.device(gpu)
             if device is None:
                 continue
             share, declared = stage_share(request, stage, device)
