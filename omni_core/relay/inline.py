@@ -45,7 +45,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return t.view(-1).view(torch.uint8).numpy().data  # the array's memoryview
 
 
 def tensor_frame(tensor: torch.Tensor) -> bytes:

@@ -42,10 +42,12 @@ def storage_key(tensor: torch.Tensor) -> StorageKey | None:
 def lent_storages(relay: Any, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
     """The keys of the storages among ``tensors`` (just returned by ``relay.get``) that the relay
     owns: what must be copied out of anything that outlives the call."""
-    out = set()
+    out: set[StorageKey] = set()
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel() and relay.owns(t):
-            out.add(storage_key(t))
+            key = storage_key(t)
+            assert key is not None, "a tensor with elements has bytes"
+            out.add(key)
     return out
 
 
@@ -70,10 +72,10 @@ def _walk(obj: Any, lent: Collection[StorageKey]) -> Any:
         items = {k: _walk(v, lent) for k, v in obj.items()}
         return obj if all(items[k] is v for k, v in obj.items()) else items
     if isinstance(obj, (list, tuple)):
-        items = [_walk(v, lent) for v in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
+        walked = [_walk(v, lent) for v in obj]
+        if all(a is b for a, b in zip(walked, obj, strict=True)):
             return obj
-        return items if isinstance(obj, list) else tuple(items)
+        return walked if isinstance(obj, list) else tuple(walked)
     if type(obj).__module__ == "numpy" and hasattr(obj, "__array_interface__"):
         return _ndarray(obj, lent)
     return obj

@@ -37,6 +37,7 @@ _state = _PackState()
 
 def _hook(obj: Any) -> Any:
     tensors = _state.tensors
+    assert tensors is not None, "the encoder's hook runs only inside pack()"
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return msgspec.msgpack.Ext(_TENSOR, (len(tensors) - 1).to_bytes(4, "little"))
@@ -91,6 +92,7 @@ _ustate = _UnpackState()
 
 def _ext_hook(code: int, data: memoryview) -> Any:
     tensors = _ustate.tensors
+    assert tensors is not None, "the decoder's hook runs only inside unpack()"
     if code == _TENSOR:
         return tensors[int.from_bytes(data, "little")]
     if code == _NDARRAY:

@@ -329,11 +329,14 @@ class ShmRelay(Relay):
                 f"shm relay: handle of request {h.request_id} is stale: its sender reclaimed the "
                 "slot (the request was cleaned up or aborted)"
             )
-        storage = seg.data.untyped_storage()
+        data = seg.data
+        assert data is not None, "_map() returns only open segments"
+        storage = data.untyped_storage()
         out = []
         for (dtype, shape, _), offset in zip(specs, h.offsets, strict=True):
             # A view of the pool's storage (offsets are 64-aligned, so in whole elements).
-            out.append(torch.empty(0, dtype=dtype).set_(
+            # torch's stubs want a stride with a size; set_() itself makes it contiguous without.
+            out.append(torch.empty(0, dtype=dtype).set_(  # type: ignore[call-overload]
                 storage, (h.base + offset) // dtype.itemsize, shape))
         self._held[key] = h.request_id
         return out
@@ -354,7 +357,7 @@ class ShmRelay(Relay):
         """Tensors viewing a mapped segment: the slot is reused once released."""
         if not self._maps or not tensor.numel() or tensor.device.type != "cpu":
             return False  # no segment mapped: small transfers (frames) only
-        return any(seg.data is not None and seg.contains(tensor) for seg in self._maps.values())
+        return any(seg.contains(tensor) for seg in self._maps.values())
 
     def _map(self, name: str) -> Segment:
         seg = self._maps.get(name)
@@ -434,9 +437,11 @@ def _copy_in(seg: Segment, offset: int, t: torch.Tensor) -> None:
     size = t.numel() * t.element_size()
     if not size:
         return
+    data = seg.data
+    assert data is not None, "a sender writes only into its own open segments"
     if (size < _MEMMOVE_BELOW and t.device.type == "cpu" and t.is_contiguous()
             and not t.is_conj() and not t.is_neg()):
-        ctypes.memmove(seg.data.data_ptr() + offset, t.data_ptr(), size)
+        ctypes.memmove(data.data_ptr() + offset, t.data_ptr(), size)
         return
-    dst = seg.data[offset : offset + size].view(t.dtype).view(t.shape)
+    dst = data[offset : offset + size].view(t.dtype).view(t.shape)
     dst.copy_(t.detach())

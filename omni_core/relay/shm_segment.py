@@ -100,7 +100,8 @@ class Segment:
         self.words = memoryview(mm)[:data_offset].cast("q")
         # Through numpy: its array holds a buffer export on the mmap for as long as any tensor
         # views it, so close() cannot unmap memory still in use (torch.frombuffer holds none).
-        self.data = torch.from_numpy(
+        # None once closed.
+        self.data: torch.Tensor | None = torch.from_numpy(
             np.frombuffer(mm, dtype=np.uint8, count=self.slots * self.slot_bytes, offset=data_offset)
         )
         self.kind = self.words[_W_KIND]
@@ -183,8 +184,12 @@ class Segment:
         return self.words[_W_RECV], self.words[_W_RECV_START]
 
     def contains(self, tensor: torch.Tensor) -> bool:
-        start = self.data.data_ptr()
-        return start <= tensor.data_ptr() < start + self.data.numel()
+        """Whether ``tensor``'s data starts in this segment (never once it is closed)."""
+        data = self.data
+        if data is None:
+            return False
+        start = data.data_ptr()
+        return start <= tensor.data_ptr() < start + data.numel()
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
