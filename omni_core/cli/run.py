@@ -294,7 +294,9 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                 async with sem:
                     if interrupted.is_set():
                         return  # interrupted while it waited for its turn: never sent
-                    in_flight.add(asyncio.current_task())
+                    me = asyncio.current_task()
+                    assert me is not None, "one() runs as a task"
+                    in_flight.add(me)
                     record: dict[str, Any] = {"line": number}
                     start = time.perf_counter()
                     try:
@@ -306,7 +308,7 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                         batch.failures += 1
                         record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                     finally:
-                        in_flight.discard(asyncio.current_task())
+                        in_flight.discard(me)
                     batch.done += 1
                     out.write(json.dumps(record) + "\n")
                     out.flush()
@@ -315,7 +317,8 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
             tasks = [asyncio.ensure_future(one(n, line)) for n, line in lines]
             everything = asyncio.gather(*tasks)
             waiter = asyncio.ensure_future(interrupted.wait())
-            await asyncio.wait([everything, waiter], return_when=asyncio.FIRST_COMPLETED)
+            watched: list[asyncio.Future[Any]] = [everything, waiter]
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if interrupted.is_set() and not everything.done():
                 batch.interrupted = True
@@ -399,6 +402,7 @@ def run(
                                  tensor_data=tensor_data)
             print(json.dumps({"result": result} if stream else result))
             return
+        assert inputs is not None, "exactly one of input and inputs (checked above)"
         lines = [(n, line) for n, line in enumerate(inputs.read_text().splitlines(), start=1) if line.strip()]
         batch = asyncio.run(_run_many(config, lines, output, concurrency, gpus, tensor_data))
     except OmniError as exc:

@@ -58,6 +58,12 @@ class PeerState:
     held: dict[bytes, list[torch.Tensor]] = attrs.Factory(dict)
     wire: TcpWire | None = None
 
+    def bound_wire(self) -> TcpWire:
+        """The wire :func:`open_wire` bound; a RuntimeError before that."""
+        if self.wire is None:
+            raise RuntimeError("the peer has no wire: open_wire() first")
+        return self.wire
+
     def close(self) -> None:
         """Drop what is held, close the relay and the wire (what a peer does before it exits)."""
         self.held.clear()
@@ -87,8 +93,12 @@ class TcpWire:
         if not gc.is_alive():  # pyzmq's thread for zero-copy sends, once per process: start it now
             gc.start()
         self.keys = keys
-        self.address = bind_inbox(None, keys=keys, host=host)
-        self.inbox = adopt_inbox(self.address)
+        address = bind_inbox(None, keys=keys, host=host)
+        inbox = adopt_inbox(address) if address is not None else None
+        if address is None or inbox is None:  # bind_inbox binds a tcp inbox whenever it has keys
+            raise ValueError(f"TcpWire: no tcp inbox bound on {host} (keys: {keys!r})")
+        self.address: str = address
+        self.inbox = inbox
         self.ctx = zmq.Context(io_threads=1)
         self.outboxes: dict[str, Any] = {}
         self.early: dict[bytes, list[Any]] = {}
@@ -191,13 +201,13 @@ async def put_seeded(state: PeerState, request_id: int, target: str, seed: int, 
 
 def open_wire(state: PeerState, keys: Any, host: str) -> str:
     """Bind the peer's :class:`TcpWire` on ``host``; its address."""
-    state.wire = TcpWire(keys, host)
-    return state.wire.address
+    wire = state.wire = TcpWire(keys, host)
+    return wire.address
 
 
 async def get_from_wire(state: PeerState, token: bytes, release: bool = True, timeout: float = 30):
     """:func:`get_records` of the transfer that arrived on the peer's wire with ``token``."""
-    handle, frames = state.wire.receive(token, timeout)  # sent before this command: no wait
+    handle, frames = state.bound_wire().receive(token, timeout)  # sent before this command: no wait
     return await get_records(state, handle, frames, release)
 
 
@@ -214,7 +224,7 @@ async def put_seeded_to_wire(
     gen = torch.Generator().manual_seed(seed)
     tensors = [torch.randn(tuple(s), generator=gen) for s in shapes]
     transfer = await state.relay.put(request_id, tensors, target)
-    state.wire.send(address, token, transfer.handle, list(transfer.frames))
+    state.bound_wire().send(address, token, transfer.handle, list(transfer.frames))
 
 
 def seeded_records(seed: int, shapes: list) -> list:
@@ -256,6 +266,8 @@ class PeerError(RuntimeError):
 
 class RelayPeer:
     """A relay running in a spawned process (see the module docstring)."""
+
+    pid: int  # the peer process's, set by start() once the peer answered
 
     def __init__(self, process, conn):
         self.process = process

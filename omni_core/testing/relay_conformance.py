@@ -34,7 +34,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, ClassVar
+from collections.abc import Callable, Collection
+from typing import Any, ClassVar, Protocol
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def shm_entries(run_id: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if run_id in name)
 
 
-def remove_leaked(run_id: str, keep: list[str] = ()) -> list[str]:
+def remove_leaked(run_id: str, keep: Collection[str] = ()) -> list[str]:
     """Unlink what /dev/shm holds for ``run_id`` beyond ``keep``, so a failing relay does not
     pollute the machine; the names removed, for the assertion that follows."""
     leaked = [name for name in shm_entries(run_id) if name not in keep]
@@ -179,6 +180,27 @@ class TcpTransport(PipeTransport):
 
     def close(self) -> None:
         self.wire.close()
+
+
+class KitPeer(Protocol):
+    """A peer as the kit drives it: a :class:`~omni_core.testing.peer.RelayPeer`, or what a node
+    provider's ``spawn_peer`` returns (see :class:`CrossNodeRelayConformance`), with the
+    ``transport`` that ``start_peer`` gives it."""
+
+    transport: PipeTransport
+
+    @property
+    def node(self) -> str: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any: ...
+
+    async def acall(self, fn: Callable[..., Any], *args: Any, timeout: float = 30) -> Any: ...
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def stop(self, timeout: float = 30) -> int | None: ...
 
 
 @pytest.mark.timeout(120)
@@ -290,7 +312,7 @@ class RelayConformance:
     async def send(
         self,
         sender: Relay,
-        receiver: RelayPeer,
+        receiver: KitPeer,
         tensors,
         request_id: int = 1,
         release: bool = True,
@@ -301,7 +323,7 @@ class RelayConformance:
         records = await receiver.transport.deliver(receiver, transfer, release)
         return records, bytes(transfer.handle)
 
-    async def fill_credits(self, sender: Relay, receiver: RelayPeer, request_id: int, got: int):
+    async def fill_credits(self, sender: Relay, receiver: KitPeer, request_id: int, got: int):
         """Take every credit toward the receiver with small puts of ``request_id``; the first
         ``got`` of them are received and held there, the rest never delivered."""
         handles = []
@@ -567,6 +589,9 @@ class CrossNodeRelayConformance(RelayConformance):
             pytest.skip(
                 f"relay {cls.relay_ref()!r} does not declare the 'cluster' scope: it never crosses nodes"
             )
+        if not isinstance(transport, TcpTransport):
+            raise TypeError(f"{cls.__name__}: peers on other nodes need a TcpTransport from "
+                            f"make_transport(), got a {type(transport).__name__}")
         peer = super().start_peer(process, run_id, runtime_dir, transport)
         taken = {cls.this_node(): "the test process"}
         taken.update({n: p for p, n in transport.nodes.items() if p != process})

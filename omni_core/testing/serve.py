@@ -96,10 +96,13 @@ class ServerProcess:
         """Poll ``/ready`` until it answers 200."""
         import httpx
 
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("omni serve is not started: call start()")
         deadline = deadline or time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"omni serve exited with {self.proc.returncode}:\n" + self.output())
+            if proc.poll() is not None:
+                raise RuntimeError(f"omni serve exited with {proc.returncode}:\n" + self.output())
             try:
                 if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
                     return
@@ -182,7 +185,9 @@ class ServerProcess:
 
 def sse_events(lines: Sequence[str]) -> list[tuple[str | None, str]]:
     """``(event, data)`` pairs of a text/event-stream body given as lines."""
-    events, name, data = [], None, []
+    events: list[tuple[str | None, str]] = []
+    name: str | None = None
+    data: list[str] = []
     for line in lines:
         if not line:
             if data:
