@@ -43,7 +43,7 @@ def serve(
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     prestart(config)  # the forkserver imports torch while this process does
-    from ..serve.app import ServeSettings
+    from ..serve.context import ServeSettings
     from ..serve.server import run
 
     settings = ServeSettings(config=config, host=host, port=port, apis=tuple(api or ()), drain_timeout=drain_timeout,

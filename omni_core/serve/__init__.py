@@ -20,7 +20,8 @@ An API plugin's factory receives an :class:`ApiContext` and returns Starlette ro
 
 from __future__ import annotations
 
-from .app import ApiContext, ClientGone, EventStream, ServeSettings, ServeState, build_app, sse
+from .app import build_app
+from .context import ApiContext, ClientGone, EventStream, ServeSettings, ServeState, sse
 from .errors import HTTPError, describe, error_body, error_response
 
 __all__ = [

@@ -39,14 +39,14 @@ from typing import Any
 
 from .. import metrics
 from ..encoding import to_jsonable
-from .app import (
+from .context import (
     ApiContext,
     ClientGone,
     EventStream,
     ServeState,
-    _request_fields,
     new_request_id,
     read_json,
+    request_fields,
     sse,
     stream_body,
     until_disconnect,
@@ -76,7 +76,7 @@ _TRACEBACK_PATH = re.compile(r'File "(?:[^"]*[/\\])?([^"/\\]+)"')
 
 
 def _static(name: str) -> str:
-    return resources.files("omni_core.serve").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("omni_core.serve").joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
 def strip_paths(traceback: str) -> str:
@@ -278,7 +278,7 @@ def routes(state: ServeState) -> list[Any]:
 
     async def playground(request):
         try:
-            inputs, _, request_id, timeout = _request_fields(await read_json(request))
+            inputs, _, request_id, timeout = request_fields(await read_json(request))
             request_id = request_id or new_request_id()
             state.check_available()
         except HTTPError as exc:

@@ -18,14 +18,19 @@ import contextlib
 import os
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import OmniError, PluginError
 from ..logs import get_logger
-from .app import CORE_PATHS, ApiContext, ServeSettings, ServeState, build_app
+from .app import CORE_PATHS, build_app
+from .context import ApiContext, ServeSettings, ServeState
 
-#: Seconds uvicorn waits for open connections once the drain is over.
-CLOSE_CONNECTIONS_TIMEOUT = 5.0
+if TYPE_CHECKING:
+    import uvicorn
+
+#: Seconds uvicorn waits for open connections once the drain is over (whole seconds: uvicorn's
+#: setting is an int).
+CLOSE_CONNECTIONS_TIMEOUT = 5
 
 
 def api_names(settings: ServeSettings, config: Any) -> list[str]:
@@ -59,21 +64,19 @@ def api_routes(name: str, factory: Any, api: ApiContext) -> list[Any]:
     return routes
 
 
-class _Uvicorn:
+def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
     """uvicorn's Server without its own signal handling (omni serve drains first)."""
+    import uvicorn
 
-    def __new__(cls, config: Any):
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
+        def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+            pass
 
-            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-                pass
-
-        return Server(config)
+    return Server(config)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -109,14 +112,15 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
     settings.port = port
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT, timeout_keep_alive=5)
-    server = _Uvicorn(uv_config)
+    server = _uvicorn_server(uv_config)
 
     loop = asyncio.get_running_loop()
-    signals = asyncio.Queue()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     uv_task = loop.create_task(server.serve(sockets=[sock]))
     status = 0
+    signal_while_starting = False
     try:
         while not server.started:
             if uv_task.done():
@@ -136,11 +140,11 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
             start.cancel()
             with contextlib.suppress(BaseException):
                 await start
-            first_signal = None
+            signal_while_starting = True
     except BaseException:
         await _shutdown(server, uv_task, sock, pipeline, loop)
         raise
-    if first_signal is None:
+    if signal_while_starting:
         await _shutdown(server, uv_task, sock, pipeline, loop)
         return 0
     try:
