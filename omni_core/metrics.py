@@ -10,9 +10,10 @@ the counts of its predecessor, and the number of pids per process name is its re
 
 The runtime calls (stage processes)::
 
-    metrics.stage_started(stage)                   # a call began (the stage's in-flight gauge)
-    metrics.stage_call(stage, status, seconds, request_id)  # it ended; status: ok | error | aborted
-    metrics.stream_chunk(stage)                    # one chunk emitted by a stage
+    meter = metrics.stage_meter(stage)             # once per stage (its series looked up once)
+    meter.started()                                # a call began (the stage's in-flight gauge)
+    meter.ended(status, seconds, request_id)       # it ended; status: ok | error | aborted
+    meter.chunk()                                  # one chunk emitted by a stage
     metrics.relay_bytes(relay, src, dst, nbytes)   # tensor bytes put through a relay
 
 The caller's side is measured around ``Pipeline.submit``/``Pipeline.stream`` by
@@ -136,21 +137,76 @@ local = Store()
 # -- what the runtime calls (stage processes) ------------------------------------------------------
 
 
+class StageMeter:
+    """What one stage's calls count (its in-flight gauge, calls by outcome, durations, chunks,
+    recent calls), with its series looked up once: a stage call is on the hot path, where
+    :meth:`Store.inc`'s lookups per update were a tenth of a stage process's Python calls."""
+
+    __slots__ = ("stage", "_store", "_key", "_in_flight", "_calls", "_chunks", "_durations", "_row")
+
+    def __init__(self, stage: str, store: Store | None = None):
+        store = local if store is None else store
+        self.stage = stage
+        self._store = store
+        self._key = (stage,)
+        self._in_flight = store.values.setdefault("omni_stage_in_flight", {})
+        self._calls = store.values.setdefault("omni_stage_calls_total", {})
+        self._chunks = store.values.setdefault("omni_stream_chunks_total", {})
+        self._durations = store.histograms.setdefault("omni_stage_duration_seconds", {})
+        self._row: list[float] | None = None
+
+    def started(self) -> None:
+        """A call began."""
+        series, key = self._in_flight, self._key
+        series[key] = series.get(key, 0.0) + 1.0
+        self._store.version += 1
+
+    def ended(self, status: str, seconds: float, request_id: str | None = None) -> None:
+        """A call ended (``status``: ok, error or aborted) after ``seconds``."""
+        store, key = self._store, self._key
+        series = self._in_flight
+        series[key] = series.get(key, 0.0) - 1.0
+        calls, outcome = self._calls, (self.stage, status)
+        calls[outcome] = calls.get(outcome, 0.0) + 1.0
+        row = self._row
+        if row is None:
+            row = self._row = self._durations.setdefault(key, [0.0] * (len(BUCKETS) + 3))
+        row[bisect_left(BUCKETS, seconds)] += 1  # as Store.observe
+        row[-2] += 1
+        row[-1] += seconds
+        store.version += 3
+        if request_id is not None:
+            store.calls.append([request_id, self.stage, time.time() - seconds, seconds, status])
+
+    def chunk(self) -> None:
+        """The stage emitted a stream chunk."""
+        series, key = self._chunks, self._key
+        series[key] = series.get(key, 0.0) + 1.0
+        self._store.version += 1
+
+
+_meters: dict[str, StageMeter] = {}
+
+
+def stage_meter(stage: str) -> StageMeter:
+    """The :class:`StageMeter` of ``stage`` in this process."""
+    meter = _meters.get(stage)
+    if meter is None:
+        meter = _meters[stage] = StageMeter(stage)
+    return meter
+
+
 def stage_started(stage: str) -> None:
-    local.inc("omni_stage_in_flight", (stage,))
+    stage_meter(stage).started()
 
 
 def stage_call(stage: str, status: str, seconds: float, request_id: str | None = None) -> None:
     """A call of ``stage`` ended (one :func:`stage_started` before it)."""
-    local.inc("omni_stage_in_flight", (stage,), -1.0)
-    local.inc("omni_stage_calls_total", (stage, status))
-    local.observe("omni_stage_duration_seconds", (stage,), seconds)
-    if request_id is not None:
-        local.calls.append([request_id, stage, time.time() - seconds, seconds, status])
+    stage_meter(stage).ended(status, seconds, request_id)
 
 
 def stream_chunk(stage: str) -> None:
-    local.inc("omni_stream_chunks_total", (stage,))
+    stage_meter(stage).chunk()
 
 
 def relay_bytes(relay: str, src: str, dst: str, nbytes: int) -> None:

@@ -197,6 +197,7 @@ class StageRuntime:
         self.fns = fns
         self.is_async = _is_async_callable(obj)
         self.stream_buffer = stream_buffer
+        self.meter = metrics.stage_meter(cfg.name)
         self.follower = follower
         # Tensor-parallel ranks run one call at a time, in the same order, so collectives match.
         concurrency = 1 if cfg.tp_size > 1 else cfg.max_concurrency
@@ -379,6 +380,7 @@ class StageRuntime:
         bind_contextvars(request_id=request_id)  # this call's log lines
         started = None
         slots = self.slots
+        meter = self.meter
         try:
             if slots.free > 0 and not slots.waiters:
                 slots.free -= 1
@@ -386,7 +388,7 @@ class StageRuntime:
                 await slots.acquire()
             try:
                 started = perf_counter()
-                metrics.stage_started(self.name)
+                meter.started()
                 traces = self.port.traces
                 parent = traces.get(rid) if traces else None
                 if parent:
@@ -396,7 +398,7 @@ class StageRuntime:
                     result = await self.obj(payload, ctx)
                 else:
                     result = await self._call(payload, ctx)
-                metrics.stage_call(self.name, "ok", perf_counter() - started, request_id)
+                meter.ended("ok", perf_counter() - started, request_id)
                 started = None
                 del payload
                 ctx._end()
@@ -416,13 +418,13 @@ class StageRuntime:
                 slots.release()
         except asyncio.CancelledError:
             if started is not None:
-                metrics.stage_call(self.name, "aborted" if ctx._aborted else "error", perf_counter() - started, request_id)
+                meter.ended("aborted" if ctx._aborted else "error", perf_counter() - started, request_id)
             if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
                 self.port.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
             if started is not None:
-                metrics.stage_call(self.name, "error", perf_counter() - started, request_id)
+                meter.ended("error", perf_counter() - started, request_id)
             self.port.fail(rid, self.name, exc)
         finally:
             ctx._end()
@@ -451,7 +453,7 @@ class StageRuntime:
                 lent = lent | self._stream_storages(rid)
             if lent:  # a chunk viewing received relay memory outlives this call where it goes
                 chunk = self.port.copy_out(chunk, lent)
-            metrics.stream_chunk(self.name)
+            self.meter.chunk()
             await self.port.emit(self, rid, request_id, chunk)
 
     # -- ending ----------------------------------------------------------------------------------
