@@ -487,3 +487,24 @@ class EarlyAllReduce:
         part = payload["x"] * (self.rank + 1)
         dist.all_reduce(part)
         return {"early": early, "got": got, "x": part}
+
+
+# -- in-process host tests (tests/test_host.py reach the instance as host.stages[name].obj) ------
+
+class Waiter:
+    """An async stage whose calls wait until the test sets ``gate``; records the request ids
+    whose call started and those whose call was cancelled."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def __call__(self, payload, ctx):
+        self.started.append(ctx.request_id)
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(ctx.request_id)
+            raise
+        return payload
