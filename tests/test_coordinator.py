@@ -228,9 +228,6 @@ async def test_inputs_that_cannot_be_sent_fail_their_request_and_leave_nothing(r
     rig.assert_empty()
 
 
-@pytest.mark.xfail(strict=True, reason="Coordinator.submit sets a StageError on the request's future when its "
-                   "inputs cannot be sent, then re-raises the original exception: nobody retrieves the "
-                   "future's, and asyncio reports 'Future exception was never retrieved'")
 def test_inputs_that_cannot_be_sent_leave_no_unretrieved_error_behind(rigs):
     reports: list[str] = []
 

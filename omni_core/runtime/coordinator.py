@@ -189,6 +189,8 @@ class Coordinator:
                     f"cannot send the inputs: {exc}", stage=self.config.entry, request_id=req.request_id,
                     error_type=type(exc).__name__))
             raise
+        finally:
+            _retrieved(req)
 
     async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         req = await self._admit(inputs, request_id, streaming=True)
@@ -214,8 +216,7 @@ class Coordinator:
         finally:
             if req.rid in self.requests:
                 self.finish(req, error=RequestAborted(f"request {req.request_id!r} was abandoned by the caller", request_id=req.request_id))
-            if req.future.done() and not req.future.cancelled():
-                req.future.exception()  # retrieved: no "never retrieved" warning
+            _retrieved(req)
 
     def abort(self, request_id: str) -> bool:
         rid = self.by_id.get(request_id)
@@ -386,3 +387,11 @@ class Coordinator:
 
     def state(self) -> dict[str, int]:
         return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.endpoint.ordered)}
+
+
+def _retrieved(req: Request) -> None:
+    """Mark the request's error as read: a caller that left (cancelled, abandoned the stream,
+    its inputs could not be sent) gets another exception, and asyncio would log this one as
+    "never retrieved"."""
+    if req.future.done() and not req.future.cancelled():
+        req.future.exception()
