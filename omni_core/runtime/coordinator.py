@@ -182,15 +182,15 @@ class Coordinator:
             return await req.future
         except asyncio.CancelledError:
             self.finish(req, error=RequestAborted(f"request {req.request_id!r} was cancelled by the caller", request_id=req.request_id))
+            _retrieved(req)
             raise
         except BaseException as exc:
             if req.rid in self.requests:  # the inputs could not be sent
                 self.finish(req, error=exc if isinstance(exc, OmniError) else StageError(
                     f"cannot send the inputs: {exc}", stage=self.config.entry, request_id=req.request_id,
                     error_type=type(exc).__name__))
-            raise
-        finally:
             _retrieved(req)
+            raise
 
     async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
         req = await self._admit(inputs, request_id, streaming=True)
