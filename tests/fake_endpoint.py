@@ -10,8 +10,13 @@ fake subclasses the endpoint and only replaces its sockets.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import gc
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import pytest
 
 from omni_core.relay.inline import inline_transfer
 from omni_core.relay.payload import pack
@@ -99,3 +104,43 @@ class _Frame:
 
     def __init__(self, data: Any):
         self.buffer = memoryview(data) if not isinstance(data, memoryview) else data
+
+
+# -- running the parts' coroutines in tests -----------------------------------------------------
+
+
+def aio(fn):
+    """Run an async test in a fresh event loop, within a few seconds; an error the loop reports
+    (an exception nobody retrieved, a callback that raised) fails it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        reports: list[str] = []
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            loop.set_exception_handler(lambda _, ctx: reports.append(f"{ctx['message']}: {ctx.get('exception')!r}"))
+            await asyncio.wait_for(fn(*args, **kwargs), 10)
+            gc.collect()
+
+        asyncio.run(main())
+        assert reports == []
+
+    return wrapper
+
+
+async def until(predicate, what: str, deadline_s: float = 5.0, poll_s: float = 0.0) -> None:
+    """Let the loop turn (every ``poll_s``: something outside the loop, a thread, must act) until
+    ``predicate`` holds; fail naming ``what`` at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(poll_s)
+
+
+async def turns(n: int = 5) -> None:
+    """Let the loop turn ``n`` times (what the parts scheduled runs)."""
+    for _ in range(n):
+        await asyncio.sleep(0)

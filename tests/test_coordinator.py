@@ -7,14 +7,13 @@ sleep: the tests await the requests' futures or poll state with a deadline."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_endpoint import FakeEndpoint
+from fake_endpoint import FakeEndpoint, aio, turns, until
 
 from omni_core import load_config
 from omni_core.errors import Overloaded, PipelineClosed, RequestAborted, RequestTimeout, StageError
@@ -33,41 +32,6 @@ STAGES = "omni_test_stages"
 
 def stage(name: str, factory: str = "Echo", **fields) -> dict:
     return {"name": name, "factory": f"{STAGES}:{factory}", **fields}
-
-
-def aio(fn):
-    """Run an async test in a fresh event loop, within a few seconds; an error the loop reports
-    (an exception nobody retrieved, a callback that raised) fails it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        reports: list[str] = []
-
-        async def main():
-            loop = asyncio.get_running_loop()
-            loop.set_exception_handler(lambda _, ctx: reports.append(f"{ctx['message']}: {ctx.get('exception')!r}"))
-            await asyncio.wait_for(fn(*args, **kwargs), 10)
-            gc.collect()
-
-        asyncio.run(main())
-        assert reports == []
-
-    return wrapper
-
-
-async def until(predicate, what: str, deadline_s: float = 5.0) -> None:
-    """Let the loop turn until ``predicate`` holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0)
-
-
-async def turns(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 class Rig:

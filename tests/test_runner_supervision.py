@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_endpoint import FakeEndpoint
+from fake_endpoint import until as _until
 
 import omni_core
 from omni_core import load_config
@@ -201,13 +202,8 @@ class FakeRequests:
 
 
 async def until(predicate, what: str, deadline_s: float = 5.0) -> None:
-    """Let the loop turn until ``predicate`` holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.002)
+    """:func:`fake_endpoint.until`, polling every 2 ms: the fake processes' heartbeats come from threads."""
+    await _until(predicate, what, deadline_s, poll_s=0.002)
 
 
 def stage(name: str, **fields) -> dict:
