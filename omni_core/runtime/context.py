@@ -73,13 +73,14 @@ class StageContext:
 
     __slots__ = ("request_id", "stage_name", "_rid", "_runtime", "_aborted", "_loop", "_payload", "_arrival")
 
-    def __init__(self, runtime: _Runtime, rid: int, request_id: str, payload: Any = PENDING):
+    def __init__(self, runtime: _Runtime, rid: int, request_id: str, payload: Any = PENDING,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self.request_id = request_id
         self.stage_name = runtime.name
         self._rid = rid
         self._runtime = runtime
         self._aborted = False
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
         self._payload = payload
         self._arrival: asyncio.Future | None = None  # while someone waits in payload()
 

@@ -178,11 +178,11 @@ class Host:
     # The endpoint's DataReceiver: payloads and chunks for this process's stages.
 
     def wanted(self, rid: int) -> bool:
-        return rid >= self.floor and rid not in self.ended
+        return not self.is_ended(rid)
 
     def accept(self, msg: wire.Data) -> bool:
         rid = msg.rid
-        if rid < self.floor or rid in self.ended:
+        if rid < self.floor or rid in self.ended:  # is_ended, inline: once per message
             return False
         if msg.stage not in self.stages:
             self.fail(msg.rid, msg.stage or "?", WiringError(

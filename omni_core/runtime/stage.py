@@ -332,7 +332,7 @@ class StageRuntime:
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.get_running_loop()
-        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload)
+        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload, loop)
         if payload is PENDING:
             self.awaiting[rid] = ctx
         stand_in = _Starting(loop)
