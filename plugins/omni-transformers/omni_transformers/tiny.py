@@ -175,11 +175,14 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    # Every special token is one id (as in the real tokenizer): they are added to the tokenizer itself.
+    # (Passing both additional_special_tokens= and extra_special_tokens= to the wrapper makes
+    # transformers drop the first list silently: <|im_start|> was then 12 byte tokens.)
+    tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
         extra_special_tokens=TOKENIZER_SPECIAL_NAMES,
     )
     fast.chat_template = CHAT_TEMPLATE

@@ -57,6 +57,23 @@ def test_the_tiny_checkpoint_loads_with_transformers_own_classes(tiny_model):
     assert set(spk["Chelsie"]) == {"bos_token", "cond", "ref_mel"}
 
 
+def test_every_special_token_of_the_tiny_tokenizer_is_one_id(tiny_model):
+    from transformers import AutoTokenizer
+
+    from omni_transformers.tiny import SPECIAL, TOKENIZER_SPECIAL_NAMES
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for token, token_id in SPECIAL.items():
+        assert tok(token, add_special_tokens=False)["input_ids"] == [token_id], token
+    for name, token in TOKENIZER_SPECIAL_NAMES.items():
+        assert getattr(tok, name) == token
+    # The chat template's turns are the real tokenizer's: one id per turn marker, dropped when decoding.
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    assert ids.count(SPECIAL["<|im_start|>"]) == 2 and ids.count(SPECIAL["<|im_end|>"]) == 1
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
+
+
 def test_tiny_is_a_module_with_a_command_line(tmp_path):
     import subprocess
     import sys
