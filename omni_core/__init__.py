@@ -17,6 +17,7 @@ from ._version import __version__
 from .config import PipelineConfig, StageConfig, load_config
 from .errors import (
     ConfigError,
+    InvalidInput,
     OmniError,
     Overloaded,
     PluginError,
@@ -62,6 +63,7 @@ __all__ = [
     "SyncPipeline",
     "run",
     "ConfigError",
+    "InvalidInput",
     "OmniError",
     "Overloaded",
     "PipelineConfig",

@@ -76,6 +76,7 @@ from typing import Any
 import attrs
 
 from .batching import _Calls, _cancel
+from .errors import InvalidInput
 
 StepFn = Callable[[list["Row"]], "Sequence[Any] | Awaitable[Sequence[Any]]"]
 
@@ -95,8 +96,9 @@ class LoopClosed(RuntimeError):
     """The decode loop was closed: the row did not (and will not) finish."""
 
 
-class SequenceTooLarge(ValueError):
-    """A row asks for more memory than the loop's whole budget: it could never be admitted."""
+class SequenceTooLarge(InvalidInput):
+    """A row asks for more memory than the loop's whole budget: it could never be admitted (the
+    request asks too much: an :class:`~omni_core.errors.InvalidInput`, ``omni serve`` answers 400)."""
 
 
 class StepError(RuntimeError):

@@ -86,6 +86,22 @@ class StartupError(OmniError):
                    detail=first.detail, failures=failures)
 
 
+class InvalidInput(ValueError):
+    """A request's input is wrong: the caller's mistake, not a bug (``omni serve`` answers 400).
+
+    Stages and plugins raise it for inputs they refuse (a wrong type, a value out of range, a
+    file the request may not name, undecodable media, a sequence longer than the model takes).
+    ``field`` names the input at fault (``"max_tokens"``, ``"messages[0].content[1]"``) where
+    there is one; the message says what was expected. A subclass of ``ValueError``, so code
+    that catches ``ValueError`` still catches it. When a stage raises it, the request fails with
+    a :class:`StageError` whose ``invalid_input`` is True and whose ``field`` is this one's."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        self.field = field
+        self.message = message
+        super().__init__(message)
+
+
 class RequestError(OmniError):
     """Base class of the errors a single request can end with."""
 
@@ -98,7 +114,8 @@ class StageError(RequestError):
     """A request failed inside a stage (its code, a user function, or payload encoding).
 
     ``stage`` is the stage's name, ``traceback`` the remote traceback text, ``error_type`` the
-    exception's class name. The stage and the pipeline go on serving other requests."""
+    exception's class name, ``invalid_input`` whether it was an :class:`InvalidInput` (then
+    ``field`` is its field). The stage and the pipeline go on serving other requests."""
 
     def __init__(
         self,
@@ -108,11 +125,17 @@ class StageError(RequestError):
         request_id: str | None = None,
         error_type: str = "Exception",
         traceback: str = "",
+        invalid_input: bool = False,
+        field: str | None = None,
     ):
         self.stage = stage
         self.error_type = error_type
         self.traceback = traceback
         self.reason = message
+        #: The stage raised :class:`InvalidInput` (or a subclass): the caller's mistake, and
+        #: ``field`` the input it names (None when it names none).
+        self.invalid_input = invalid_input
+        self.field = field
         text = f"request {request_id!r} failed in stage {stage!r}: {error_type}: {message}"
         if traceback:
             text += f"\n\n--- remote traceback (stage {stage!r}) ---\n{traceback.rstrip()}"

@@ -6,6 +6,8 @@ import asyncio
 import json
 from pathlib import Path
 
+from omni_core.errors import InvalidInput
+
 DEFAULT_SPEAKER = "Chelsie"
 #: What the thinker's result says of the request, in the OpenAI API's terms; token2wav's result
 #: carries them too (the talker passes them on): prompt tokens, generated tokens, "stop" | "length".
@@ -36,7 +38,7 @@ def omni_config(path: Path):
 def request_seed(payload: dict) -> int:
     seed = payload.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+        raise InvalidInput(f"seed must be an integer, got {seed!r}", field="seed")
     return seed
 
 

@@ -2,7 +2,13 @@
 Qwen2.5-Omni's feature extractor and image processor take (16 kHz mono float32, RGB images).
 
 Every error names the part it is about (``messages[1].content[0] (audio)``) and says what was
-expected, so one bad part fails its request with a message the caller can act on.
+expected, so one bad part fails its request with a message the caller can act on. Every one is a
+:class:`MediaError`, an :class:`omni_core.InvalidInput` whose ``field`` is that part (``omni serve``
+answers 400).
+
+A path is a server file: it goes through :func:`omni_core.files.local_path` with the request's
+context (``origin``), so a request from the network names none unless ``serve.allow_local_files``
+allows it.
 """
 
 from __future__ import annotations
@@ -12,13 +18,18 @@ import os
 from typing import Any
 
 import numpy as np
+from omni_core.errors import InvalidInput
+from omni_core.files import local_path
 
 #: Image sides whose ratio is larger than this are refused (the Qwen2-VL image processor's limit).
 MAX_ASPECT_RATIO = 200
 
 
-class MediaError(ValueError):
-    """A bad audio or image part of a request."""
+class MediaError(InvalidInput):
+    """A bad audio or image part of a request (``field``: the part, e.g. ``messages[1].content[0]``)."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message, field=field if field is not None else message.partition(":")[0].split(" (")[0])
 
 
 def _array(value: Any) -> np.ndarray | None:
@@ -39,10 +50,18 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _source(value: Any, where: str, origin: Any) -> Any:
+    """What to decode ``value`` from: its bytes, or the server path the request may name."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(value))
+    return os.fspath(local_path(origin, value, where))
+
+
 def load_audio(value: Any, where: str, *, sample_rate: Any = None, target_rate: int = 16000,
-               max_samples: int | None = None) -> np.ndarray:
+               max_samples: int | None = None, origin: Any = None) -> np.ndarray:
     """``value`` (a path, an encoded file's bytes, or a 1-D float tensor/array at ``sample_rate``)
-    as 1-D float32 mono samples at ``target_rate``, at most ``max_samples`` of them."""
+    as 1-D float32 mono samples at ``target_rate``, at most ``max_samples`` of them. ``origin``:
+    the request's context (or ``ctx.from_network``), for the local-file rule."""
     array = _array(value)
     if array is not None:
         if array.ndim != 1:
@@ -56,7 +75,7 @@ def load_audio(value: Any, where: str, *, sample_rate: Any = None, target_rate: 
     elif isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)):
         import soundfile
 
-        source = io.BytesIO(bytes(value)) if isinstance(value, (bytes, bytearray, memoryview)) else os.fspath(value)
+        source = _source(value, where, origin)
         try:
             data, rate = soundfile.read(source, dtype="float32", always_2d=True)
         except Exception as exc:  # noqa: BLE001 - soundfile raises several kinds; all mean "unreadable"
@@ -80,9 +99,10 @@ def load_audio(value: Any, where: str, *, sample_rate: Any = None, target_rate: 
     return np.ascontiguousarray(samples)
 
 
-def load_image(value: Any, where: str):
+def load_image(value: Any, where: str, *, origin: Any = None):
     """``value`` (a path, an encoded image's bytes, or an H x W x 3 uint8 tensor/array) as an RGB
-    ``PIL.Image``."""
+    ``PIL.Image``. ``origin``: the request's context (or ``ctx.from_network``), for the local-file
+    rule."""
     from PIL import Image
 
     array = _array(value)
@@ -93,7 +113,7 @@ def load_image(value: Any, where: str):
             raise MediaError(f"{where}: an image tensor must be uint8 (0-255), got dtype {array.dtype}")
         image = Image.fromarray(np.ascontiguousarray(array), "RGB")
     elif isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)):
-        source = io.BytesIO(bytes(value)) if isinstance(value, (bytes, bytearray, memoryview)) else os.fspath(value)
+        source = _source(value, where, origin)
         try:
             with Image.open(source) as opened:
                 image = opened.convert("RGB")

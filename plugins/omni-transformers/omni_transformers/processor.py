@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from omni_core.errors import InvalidInput
+from omni_core.files import local_path
+
 from .common import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, request_seed
 from .media import MediaError, load_audio, load_image
 from .models import resolve_model_path
@@ -57,7 +60,7 @@ def wants_audio(inputs: Any) -> bool:
     """The request's ``return_audio`` (default true; false: text only, no talker or token2wav)."""
     value = inputs.get("return_audio", True) if isinstance(inputs, dict) else True
     if not isinstance(value, bool):
-        raise ValueError(f"return_audio must be true or false, got {value!r}")
+        raise InvalidInput(f"return_audio must be true or false, got {value!r}", field="return_audio")
     return value
 
 
@@ -113,7 +116,7 @@ class Processor:
         if "messages" in payload:
             messages = payload["messages"]
             if not isinstance(messages, list) or not messages:
-                raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+                raise InvalidInput("messages must be a non-empty list of {'role', 'content'} objects", field="messages")
         else:
             parts: list[dict] = []
             if payload.get("audio") is not None:
@@ -123,10 +126,10 @@ class Processor:
                 parts.append({"type": "image", "image": payload["image"], "where": "image"})
             text = payload.get("text")
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"text must be a string, got {type(text).__name__}")
+                raise InvalidInput(f"text must be a string, got {type(text).__name__}", field="text")
             if not parts:
                 if text is None:
-                    raise ValueError("inputs need 'messages', 'text' (a string, with optional 'audio' and 'image') "
+                    raise InvalidInput("inputs need 'messages', 'text' (a string, with optional 'audio' and 'image') "
                                      "or 'input_ids' (a list of ints)")
                 messages = [{"role": "user", "content": text}]
             else:
@@ -138,20 +141,23 @@ class Processor:
             messages = [{"role": "system", "content": system}, *messages]
         return messages
 
-    def media_of(self, messages: list[dict]) -> tuple[list[dict], list, list]:
+    def media_of(self, messages: list[dict], origin=None) -> tuple[list[dict], list, list]:
         """The messages as the chat template sees them (media values left out), and the decoded
-        audios (16 kHz mono float32) and images (RGB), each in the order it appears."""
+        audios (16 kHz mono float32) and images (RGB), each in the order it appears. ``origin``:
+        the request's context, for the local-file rule (:func:`omni_core.files.local_path`)."""
         fe = self.mm.feature_extractor if self._has_media(messages) else None
         shown, audios, images = [], [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-                raise ValueError(f"messages[{i}] must be an object with 'role' (a string) and 'content'")
+                raise InvalidInput(f"messages[{i}] must be an object with 'role' (a string) and 'content'",
+                                   field=f"messages[{i}]")
             content = message["content"]
             if isinstance(content, str):
                 shown.append({"role": message["role"], "content": content})
                 continue
             if not isinstance(content, list):
-                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+                raise InvalidInput(f"messages[{i}].content must be a string or a list of parts",
+                                   field=f"messages[{i}].content")
             parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -160,17 +166,17 @@ class Processor:
                     where = part.get("where") or f"{where} ({kind})"
                 if kind == "text":
                     if not isinstance(part.get("text"), str):
-                        raise ValueError(f"{where}: a text part needs 'text' (a string)")
+                        raise InvalidInput(f"{where}: a text part needs 'text' (a string)", field=where)
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind == "audio":
                     audios.append(load_audio(part.get("audio"), where, sample_rate=part.get("sample_rate"),
-                                             target_rate=fe.sampling_rate, max_samples=fe.n_samples))
+                                             target_rate=fe.sampling_rate, max_samples=fe.n_samples, origin=origin))
                     parts.append({"type": "audio", "audio": ""})
                 elif kind == "image":
-                    images.append(load_image(part.get("image"), where))
+                    images.append(load_image(part.get("image"), where, origin=origin))
                     parts.append({"type": "image", "image": ""})
                 else:
-                    raise ValueError(f"{where}: a part must be {{'type': 'text' | 'audio' | 'image', ...}}, got "
+                    raise InvalidInput(field=where, message=f"{where}: a part must be {{'type': 'text' | 'audio' | 'image', ...}}, got "
                                      f"type {kind!r} (videos are not supported)")
             shown.append({"role": message["role"], "content": parts})
         return shown, audios, images
@@ -189,9 +195,9 @@ class Processor:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
 
-    def model_inputs(self, payload: dict) -> dict[str, Any]:
+    def model_inputs(self, payload: dict, origin=None) -> dict[str, Any]:
         messages = self.messages_of(payload)
-        shown, audios, images = self.media_of(messages)
+        shown, audios, images = self.media_of(messages, origin)
         text = self.render(shown)
         if not audios and not images:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -201,7 +207,7 @@ class Processor:
         except MediaError:
             raise
         except ValueError as exc:  # e.g. a template that renders no placeholder for a part
-            raise ValueError(f"the processor could not prepare these inputs: {exc}") from None
+            raise InvalidInput(f"the processor could not prepare these inputs: {exc}") from None
         result: dict[str, Any] = {"input_ids": [int(i) for i in out["input_ids"][0].tolist()]}
         if audios:
             lengths = out["feature_attention_mask"].sum(-1).tolist()
@@ -215,26 +221,30 @@ class Processor:
 
     def __call__(self, payload: Any, ctx) -> dict:
         if not isinstance(payload, dict):
-            raise TypeError(f"inputs must be a mapping like {{'text': 'hello'}}, got {type(payload).__name__}")
+            raise InvalidInput(f"inputs must be a mapping like {{'text': 'hello'}}, got {type(payload).__name__}")
         for key in ("audios", "images", "video", "videos"):
             if key in payload:
-                raise ValueError(f"input {key!r} is not supported: give 'messages' with audio/image parts, or 'text' "
+                raise InvalidInput(field=key, message=f"input {key!r} is not supported: give 'messages' with audio/image parts, or 'text' "
                                  "with one 'audio' and one 'image'")
         if "input_ids" in payload:
             ids = payload["input_ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-                raise ValueError("input_ids must be a non-empty list of ints")
+                raise InvalidInput("input_ids must be a non-empty list of ints", field="input_ids")
             out: dict[str, Any] = {"input_ids": [int(i) for i in ids]}
         else:
-            out = self.model_inputs(payload)
+            out = self.model_inputs(payload, ctx)
         out.update(seed=request_seed(payload), speaker=payload.get("speaker", DEFAULT_SPEAKER))
-        if payload.get("max_new_tokens") is not None:
-            out["max_new_tokens"] = int(payload["max_new_tokens"])
-        if payload.get("talker_max_new_tokens") is not None:
-            out["talker_max_new_tokens"] = int(payload["talker_max_new_tokens"])
+        for key in ("max_new_tokens", "talker_max_new_tokens"):
+            value = payload.get(key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidInput(f"{key} must be a positive integer, got {value!r}", field=key)
+                out[key] = value
         if payload.get("talker_do_sample") is not None:
             out["talker_do_sample"] = bool(payload["talker_do_sample"])
-        if "wav_path" in payload:
-            out["wav_path"] = payload["wav_path"]
+        if payload.get("wav_path") is not None:  # a file the request asks token2wav to write
+            out["wav_path"] = str(local_path(ctx, payload["wav_path"], "wav_path", write=True))
+        elif "wav_path" in payload:
+            out["wav_path"] = None
         out["return_audio"] = wants_audio(payload)
         return out

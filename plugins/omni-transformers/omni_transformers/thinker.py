@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
+from omni_core.errors import InvalidInput
 
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .common import DEFAULT_SPEAKER, omni_config, request_seed
@@ -226,17 +227,22 @@ class Thinker:
         return ThinkerRow(pre, sampler, max_new, self.eos, self.speech, seed)
 
     async def __call__(self, payload: dict, ctx) -> dict:
-        max_new = int(payload.get("max_new_tokens") or self.max_new_tokens)
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
+        max_new = payload.get("max_new_tokens") or self.max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new!r}", field="max_new_tokens")
         bos = None
         if self.speech:
             bos = self.speakers.get(payload.get("speaker", DEFAULT_SPEAKER))
             if bos is None:
-                raise ValueError(f"speaker {payload.get('speaker')!r} is not in spk_dict.pt; "
-                                 f"available: {sorted(self.speakers)}")
+                raise InvalidInput(f"speaker {payload.get('speaker')!r} is not in spk_dict.pt; "
+                                   f"available: {sorted(self.speakers)}", field="speaker")
         pre, first = await asyncio.to_thread(self._prepare, payload, bos)
         row = self.new_row(pre, payload, max_new)
+        budget = self.engine.loop.memory_budget
+        if budget is not None and row.reserved > budget:  # it could never be admitted: the caller asked too much
+            raise InvalidInput(f"the prompt ({pre.length} tokens) and max_new_tokens ({max_new}) need {row.reserved} "
+                               f"tokens of KV cache, more than this model holds for one request ({budget}, "
+                               "kv_cache_tokens): shorten the prompt or ask for fewer tokens", field="max_new_tokens")
         decoder = TextDecoder(self.tokenizer)
         finish_reason = "length"
         tokens: list[int] = []
