@@ -65,6 +65,7 @@ import wave
 from collections.abc import Mapping
 from typing import Any
 
+from omni_core.logs import get_logger
 from omni_core.options import parse_options
 
 from .plugin import OPENAI_OPTIONS as OPTIONS
@@ -78,6 +79,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     409: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -105,6 +107,14 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
                 f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
                 f"(stages: {', '.join(pipeline_config.stage_names)})"
             )
+    sampling = opts["sampling"]
+    for name, key in sampling.items():
+        if name not in SAMPLING:
+            raise ValueError(f"serve.options.openai.sampling: {name!r} is not an OpenAI sampling parameter "
+                             f"(one of: {', '.join(SAMPLING)})")
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"serve.options.openai.sampling.{name}: the input key it goes to (a string), "
+                             f"got {key!r}")
     voices = opts["voices"]
     if voices is not None and (
         not isinstance(voices, list) or not all(isinstance(v, str) for v in voices)
@@ -167,7 +177,8 @@ def _part(part: Any, where: str, allow_local_files: bool) -> dict[str, Any]:
         if audio.get("format") not in AUDIO_INPUT_FORMATS:
             raise BadRequest(f"{where}.input_audio.format must be one of {', '.join(AUDIO_INPUT_FORMATS)}, got "
                              f"{audio.get('format')!r}", f"{where}.input_audio.format")
-        return {"type": "audio", "audio": _b64(audio.get("data"), f"{where}.input_audio.data")}
+        return {"type": "audio", "audio": _b64(audio.get("data"), f"{where}.input_audio.data"),
+                "where": f"{where} (input_audio)"}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, Mapping) else image
@@ -178,14 +189,14 @@ def _part(part: Any, where: str, allow_local_files: bool) -> dict[str, Any]:
             if not sep or not head.endswith(";base64"):
                 raise BadRequest(f"{where}.image_url.url must be a base64 data URL (data:image/png;base64,...)",
                                  f"{where}.image_url.url")
-            return {"type": "image", "image": _b64(data, f"{where}.image_url.url")}
+            return {"type": "image", "image": _b64(data, f"{where}.image_url.url"), "where": f"{where} (image_url)"}
         if "://" in url and not url.startswith("file://"):
             raise BadRequest(f"{where}.image_url.url: this server does not fetch URLs; send the image as a data URL",
                              f"{where}.image_url.url")
         if not allow_local_files:
             raise BadRequest(f"{where}.image_url.url: this server reads no local files (serve option "
                              "allow_local_files); send the image as a data URL", f"{where}.image_url.url")
-        return {"type": "image", "image": url.removeprefix("file://")}
+        return {"type": "image", "image": url.removeprefix("file://"), "where": f"{where} (image_url)"}
     raise BadRequest(f"{where}.type must be text, input_audio or image_url, got {kind!r}", f"{where}.type")
 
 
@@ -206,8 +217,115 @@ def _conversation(messages: Any, allow_local_files: bool, system_messages: bool 
     return out
 
 
+#: The sampling parameters a pipeline may honour (``sampling`` maps each to an input key).
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty")
+
+#: OpenAI's documented defaults: a parameter the pipeline does not take is accepted at its default
+#: (or absent, or null), and refused otherwise.
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0}
+
+#: Every field a request may have. Accepted and ignored: ``user``, ``metadata``, ``store``
+#: (false), ``service_tier``, ``parallel_tool_calls``; refused unless at their "off" value:
+#: ``logprobs``, ``top_logprobs``, ``logit_bias``, ``tools``, ``tool_choice``, ``response_format``
+#: other than text.
+FIELDS = ("model", "messages", "stream", "stream_options", "modalities", "audio", "max_completion_tokens",
+          "max_tokens", "n", *SAMPLING, "response_format", "logprobs", "top_logprobs", "logit_bias", "tools",
+          "tool_choice", "parallel_tool_calls", "user", "metadata", "store", "service_tier")
+
+_INT64 = 2**63
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sampling_value(name: str, value: Any) -> Any:
+    """``value`` of the sampling parameter ``name``, checked (``stop`` as a list of strings)."""
+    if name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        lo, hi = {"temperature": (0, 2), "top_p": (0, 1)}.get(name, (-2, 2))
+        if not _is_number(value) or not lo <= value <= hi:
+            raise BadRequest(f"'{name}' must be a number from {lo} to {hi}, got {value!r}", name)
+        return value
+    if name == "top_k":
+        if not _is_int(value) or value < 0:
+            raise BadRequest(f"'top_k' must be an integer >= 0 (0: no limit), got {value!r}", name)
+        return value
+    if name == "seed":
+        if not _is_int(value) or not -_INT64 <= value < _INT64:
+            raise BadRequest(f"'seed' must be a 64-bit integer, got {value!r}", name)
+        return value
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest(f"'stop' must be a non-empty string or a list of 1 to 4 of them, got {value!r}", name)
+    return stops
+
+
+def _refuse_unless(body: Mapping[str, Any], name: str, ok: bool, why: str) -> None:
+    if name in body and body[name] is not None and not ok:
+        raise BadRequest(f"'{name}' {why}", name)
+
+
+def _parameters(body: Mapping[str, Any], opts: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The request's sampling inputs (by input key) and its ``n``, after checking every field that
+    is not the prompt: unknown fields, parameters the pipeline does not honour, bad values."""
+    unknown = [key for key in body if key not in FIELDS]
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(repr(k) for k in unknown)}; a chat completion request "
+                         f"takes: {', '.join(FIELDS)}", unknown[0])
+    inputs: dict[str, Any] = {}
+    for name in SAMPLING:
+        value = body.get(name)
+        if value is None:
+            continue
+        value = _sampling_value(name, value)
+        key = opts["sampling"].get(name)
+        if key is not None:
+            inputs[key] = value
+        elif name not in SAMPLING_DEFAULTS or value != SAMPLING_DEFAULTS[name]:
+            default = f" or send {SAMPLING_DEFAULTS[name]}" if name in SAMPLING_DEFAULTS else ""
+            taken = ", ".join(opts["sampling"]) or "none"
+            raise BadRequest(f"this model does not honour '{name}' (the sampling parameters it takes: {taken}); "
+                             f"leave it out{default}", name)
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= opts["max_choices"]:
+        raise BadRequest(f"'n' must be an integer from 1 to {opts['max_choices']}, got {n!r}", "n")
+    fmt = body.get("response_format")
+    _refuse_unless(body, "response_format", isinstance(fmt, Mapping) and fmt.get("type") == "text" and len(fmt) == 1,
+                   f'must be {{"type": "text"}}: this model answers plain text only, got {fmt!r}')
+    _refuse_unless(body, "logprobs", body.get("logprobs") is False, "is not supported: this model returns no "
+                   "log probabilities (leave it out or send false)")
+    _refuse_unless(body, "top_logprobs", False, "is not supported: this model returns no log probabilities")
+    _refuse_unless(body, "logit_bias", body.get("logit_bias") == {}, "is not supported (leave it out)")
+    _refuse_unless(body, "tools", body.get("tools") == [], "are not supported: this model calls no tools")
+    _refuse_unless(body, "tool_choice", body.get("tool_choice") == "none", 'is not supported: this model calls no '
+                   'tools (leave it out or send "none")')
+    _refuse_unless(body, "parallel_tool_calls", isinstance(body.get("parallel_tool_calls"), bool),
+                   "must be true or false")
+    _refuse_unless(body, "user", isinstance(body.get("user"), str), "must be a string")
+    metadata = body.get("metadata")
+    _refuse_unless(body, "metadata", isinstance(metadata, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()), "must be an object of strings")
+    _refuse_unless(body, "store", body.get("store") is False, "is not supported: this server stores no completions "
+                   "(leave it out or send false)")
+    _refuse_unless(body, "service_tier", isinstance(body.get("service_tier"), str), "must be a string")
+    return inputs, n
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``n`` > 1 and ``seed``: ``seed + index``,
+    wrapped into the signed 64-bit range (choice 0 runs with the request's own seed)."""
+    return (seed + index + _INT64) % (2 * _INT64) - _INT64
+
+
 def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """Check a chat completion request; returns what the handler needs."""
+    """Check a chat completion request; returns what the handler needs (``choices``: the inputs of
+    each of its ``n`` pipeline requests; ``inputs``: the first's)."""
     if not isinstance(body, Mapping):
         raise BadRequest("the body must be a JSON object")
     if "model" not in body:
@@ -269,14 +387,31 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     }
     if want_audio and opts["voice_key"] is not None:
         inputs[opts["voice_key"]] = voice
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-        if opts["max_tokens_key"] is not None:
-            inputs[opts["max_tokens_key"]] = limit
+    limits = []
+    for name in ("max_completion_tokens", "max_tokens"):  # max_completion_tokens wins when both are sent
+        limit = body.get(name)
+        if limit is None:
+            continue
+        if not _is_int(limit) or limit < 1:
+            raise BadRequest(f"'{name}' must be a positive integer, got {limit!r}", name)
+        most = opts.get("max_tokens_limit")
+        if most is not None and limit > most:
+            raise BadRequest(f"'{name}' is {limit}; this model writes at most {most} tokens per answer", name)
+        limits.append(limit)
+    if limits and opts["max_tokens_key"] is not None:
+        inputs[opts["max_tokens_key"]] = limits[0]
+    sampling, n = _parameters(body, opts)
+    inputs.update(sampling)
+    choices = [inputs]
+    seed_key = opts["sampling"].get("seed")
+    for index in range(1, n):  # choice i: seed + i (seed i without one), so no two choices share a seed
+        if seed_key is None:
+            choices.append(dict(inputs))
+        else:
+            choices.append({**inputs, seed_key: choice_seed(inputs.get(seed_key, 0), index)})
     text_stage = opts["text_stage"] if want_audio else opts.get("text_only_stage") or opts["text_stage"]
-    return {"inputs": inputs, "stream": stream, "audio": want_audio, "format": fmt, "text_stage": text_stage}
+    return {"inputs": inputs, "choices": choices, "stream": stream, "audio": want_audio, "format": fmt,
+            "text_stage": text_stage}
 
 
 def pcm16(audio: Any) -> bytes | None:
@@ -385,6 +520,17 @@ def make_routes(api: Any) -> list[Any]:
 
     model = api.pipeline_name
     opts = adapter_options(api.options, api.pipeline.config)
+    log = get_logger(component="openai", pipeline=model)
+    # An input key the adapter fills, as the client's parameter (a stage's InvalidInput names the key).
+    params = {opts["max_tokens_key"]: "max_tokens", opts["voice_key"]: "audio.voice", opts["prompt_key"]: "messages",
+              **{key: name for name, key in opts["sampling"].items()}}
+
+    def client_param(field: Any) -> str | None:
+        if not isinstance(field, str):
+            return None
+        if field.startswith("messages["):  # the adapter's labels of parts: the client's indices already
+            return field.split(" ")[0]
+        return params.get(field)
     created = int(time.time())
 
     def error(
@@ -406,14 +552,26 @@ def make_routes(api: Any) -> list[Any]:
         return JSONResponse(body, status_code=status, headers=headers)
 
     def from_exception(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """The OpenAI form of a request's error, logged: a client's mistake (4xx) at warning, a
+        failure (5xx) at error with its traceback (the stage's, or this process's)."""
         err = describe(exc)
         where = f" (stage {err.stage!r})" if err.stage else ""
         body = {
             "message": f"{err.type}{where}: {err.message}",
             "type": _ERROR_TYPES.get(err.status, "server_error"),
-            "param": None,
+            "param": getattr(err, "param", None) or client_param(getattr(exc, "field", None)),
             "code": err.type,
         }
+        fields = {"status": err.status, "type": err.type, "stage": err.stage,
+                  "message": err.message.splitlines()[0] if err.message else ""}
+        if err.status >= 500:
+            tb = getattr(exc, "traceback", None)
+            if tb:
+                log.error("chat request failed", traceback=tb, **fields)
+            else:
+                log.error("chat request failed", exc_info=exc, **fields)
+        else:
+            log.warning("chat request refused", **fields)
         return err.status, body, err.headers
 
     def text_of(chunk: Any) -> str | None:
@@ -439,13 +597,27 @@ def make_routes(api: Any) -> list[Any]:
             else opts["sample_rate"]
         )
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": created, "owned_by": "omni"}
+
     async def models(request):
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": model, "object": "model", "created": created, "owned_by": "omni"}],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request):
+        name = request.path_params["model"]
+        if name != model:
+            return refused(request, BadRequest(f"the model {name!r} does not exist; this server serves {model!r}",
+                                               "model", 404, "model_not_found"))
+        return JSONResponse(model_card())
+
+    def refused(request: Any, exc: BadRequest) -> JSONResponse:
+        log.warning("chat request refused", path=request.url.path, status=exc.status, param=exc.param,
+                    message=exc.message)
+        return error(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    def failed(exc: BaseException) -> JSONResponse:
+        status, body, headers = from_exception(exc)
+        return JSONResponse({"error": body}, status_code=status, headers=headers)
 
     async def chat_completions(request):
         try:
@@ -453,97 +625,126 @@ def make_routes(api: Any) -> list[Any]:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the body is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise BadRequest("the body is nested too deeply") from None
             req = parse_request(body, model, opts)
             req["include_usage"] = include_usage(body.get("stream_options"), req["stream"])
         except BadRequest as exc:
-            return error(exc.status, exc.message, param=exc.param, code=exc.code)
+            return refused(request, exc)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         request.scope.setdefault("state", {})["omni_request_id"] = rid
-        events = api.stream(req["inputs"], request_id=rid, headers=request.headers)
+        n = len(req["choices"])
+        ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        streams = []
+        try:
+            for inputs, request_id in zip(req["choices"], ids):
+                streams.append(api.stream(inputs, request_id=request_id, headers=request.headers))
+        except Exception as exc:
+            for events in streams:
+                await events.aclose()
+            return failed(exc)
+        events = streams[0] if n == 1 else _merged(streams)
         if req["stream"]:
-            return await _streamed(request, rid, req, events)
-        pieces: list[str] = []
-        pcm = bytearray()
-        rates: list[int] = []
+            return await _streamed(request, rid, req, events, n)
+        choices = [_Choice() for _ in range(n)]
 
         async def collect():
             async for event in events:
-                if event.is_result:
-                    return event.data
-                if event.stage == req["text_stage"] and (piece := text_of(event.data)):
-                    pieces.append(piece)
-                elif (
-                    req["audio"]
-                    and event.stage == opts["audio_stage"]
-                    and (data := audio_of(event.data)) is not None
-                ):
-                    pcm.extend(data)
-                    rates.append(rate_of(event.data))
-            return None
+                index, event = event if n > 1 else (0, event)
+                choices[index].take(event, req)
+                if all(c.done for c in choices):
+                    return
 
         try:
-            result = await api.until_disconnect(request.receive, collect())
+            await api.until_disconnect(request.receive, collect())
         except ClientGone:
             return JSONResponse({}, status_code=499)
         except Exception as exc:
-            status, body, headers = from_exception(exc)
-            return JSONResponse({"error": body}, status_code=status, headers=headers)
+            return failed(exc)
         finally:
             await events.aclose()
-        text = _final_text(result, opts, pieces, req["text_stage"])
-        usage, finish_reason = usage_of(result, opts, req["text_stage"])
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if req["audio"]:
-            rate = rates[0] if rates else opts["sample_rate"]
-            if any(r != rate for r in rates):
-                return error(
-                    500,
-                    f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
-                    f"({sorted(set(rates))}); one response holds one rate",
-                    code="AudioError",
-                )
-            data = wav_bytes(bytes(pcm), rate) if req["format"] == "wav" else bytes(pcm)
-            message["audio"] = {
-                "id": f"audio-{rid}",
-                "data": base64.b64encode(data).decode(),
-                "transcript": text,
-                "expires_at": int(time.time()) + 3600,
-                "sample_rate": rate,
-            }
+        out = []
+        usage_total: dict[str, int] | None = None
+        for index, choice in enumerate(choices):
+            text = _final_text(choice.result, opts, choice.pieces, req["text_stage"])
+            usage, finish_reason = usage_of(choice.result, opts, req["text_stage"])
+            if usage is not None:  # n choices: one prompt, every choice's completion tokens
+                usage_total = dict(usage) if usage_total is None else {
+                    "prompt_tokens": usage_total["prompt_tokens"],
+                    "completion_tokens": usage_total["completion_tokens"] + usage["completion_tokens"],
+                    "total_tokens": usage_total["total_tokens"] + usage["completion_tokens"]}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req["audio"]:
+                rate = choice.rates[0] if choice.rates else opts["sample_rate"]
+                if any(r != rate for r in choice.rates):
+                    return failed(RuntimeError(
+                        f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
+                        f"({sorted(set(choice.rates))}); one response holds one rate"))
+                data = wav_bytes(bytes(choice.pcm), rate) if req["format"] == "wav" else bytes(choice.pcm)
+                message["audio"] = {
+                    "id": f"audio-{ids[index]}",
+                    "data": base64.b64encode(data).decode(),
+                    "transcript": text,
+                    "expires_at": int(time.time()) + 3600,
+                    "sample_rate": rate,
+                }
+            out.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None})
         return JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": model,
-                "choices": [
-                    {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-                ],
-                "usage": usage,
+                "choices": out,
+                "usage": None if any(usage_of(c.result, opts, req["text_stage"])[0] is None for c in choices)
+                else usage_total,
             }
         )
 
-    async def _streamed(request, rid, req, events):
+    class _Choice:
+        """What one choice's events brought: text pieces, audio, the result."""
+
+        def __init__(self) -> None:
+            self.pieces: list[str] = []
+            self.pcm = bytearray()
+            self.rates: list[int] = []
+            self.result: Any = None
+            self.done = False
+
+        def take(self, event: Any, req: dict[str, Any]) -> None:
+            if event.is_result:
+                self.result, self.done = event.data, True
+            elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
+                self.pieces.append(piece)
+            elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
+                self.pcm.extend(data)
+                self.rates.append(rate_of(event.data))
+
+    async def _streamed(request, rid, req, events, n):
         now = int(time.time())
 
-        def chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+        def chunk(index: int, delta: dict[str, Any] | None, finish: str | None = None,
+                  usage: dict | None = None) -> bytes:
             data: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": now,
                 "model": model,
                 "choices": [] if delta is None else [
-                    {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
                 ],
             }
             if req["include_usage"]:
                 data["usage"] = usage
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
+        def tagged(event: Any) -> tuple[int, Any]:
+            return event if n > 1 else (0, event)
+
         # The first event (or the error that prevents it) before the response starts, so
         # overload and unavailability keep their status codes.
         try:
-            first = await api.until_disconnect(request.receive, events.__anext__())
+            first = tagged(await api.until_disconnect(request.receive, events.__anext__()))
         except ClientGone:
             await events.aclose()
             return JSONResponse({}, status_code=499)
@@ -551,46 +752,59 @@ def make_routes(api: Any) -> list[Any]:
             first = None
         except Exception as exc:
             await events.aclose()
-            status, body, headers = from_exception(exc)
-            return JSONResponse({"error": body}, status_code=status, headers=headers)
+            return failed(exc)
 
         async def body():
-            event = first
-            pieces = 0
-            audio_id = f"audio-{rid}"
+            item = first
+            sent = [""] * n  # each choice's text so far, as the client joined it
+            pieces = [0] * n
+            usages: list[dict[str, int] | None] = [None] * n
+            audio_ids = [f"audio-{rid}" if n == 1 else f"audio-{rid}-{i}" for i in range(n)]
             try:
-                yield chunk({"role": "assistant", "content": ""})
-                while event is not None and not event.is_result:
-                    if event.stage == req["text_stage"] and (piece := text_of(event.data)):
-                        text = piece if pieces == 0 else opts["text_joiner"] + piece
-                        pieces += 1
-                        delta: dict[str, Any] = {"content": text}
+                for index in range(n):
+                    yield chunk(index, {"role": "assistant", "content": ""})
+                while item is not None:
+                    index, event = item
+                    if event.is_result:
+                        # What the streamed pieces lack of the whole text (the demo's final "."): one
+                        # more delta, so the deltas join to the non-streamed answer.
+                        whole = _final_text(event.data, opts, [], req["text_stage"]) if isinstance(
+                            stage_part(event.data, req["text_stage"]), Mapping) else ""
+                        if whole and whole.startswith(sent[index]) and len(whole) > len(sent[index]):
+                            rest = whole[len(sent[index]):]
+                            delta: dict[str, Any] = {"content": rest}
+                            if req["audio"]:
+                                delta["audio"] = {"id": audio_ids[index], "transcript": rest}
+                            yield chunk(index, delta)
+                        usages[index], finish_reason = usage_of(event.data, opts, req["text_stage"])
+                        yield chunk(index, {}, finish_reason)
+                    elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
+                        text = piece if pieces[index] == 0 else opts["text_joiner"] + piece
+                        pieces[index] += 1
+                        sent[index] += text
+                        delta = {"content": text}
                         if req["audio"]:
-                            delta["audio"] = {"id": audio_id, "transcript": text}
-                        yield chunk(delta)
+                            delta["audio"] = {"id": audio_ids[index], "transcript": text}
+                        yield chunk(index, delta)
                     elif (
                         req["audio"]
                         and event.stage == opts["audio_stage"]
                         and (data := audio_of(event.data))
                     ):
-                        yield chunk(
-                            {
-                                "audio": {
-                                    "id": audio_id,
-                                    "data": base64.b64encode(data).decode(),
-                                    "transcript": "",
-                                    "sample_rate": rate_of(event.data),
-                                }
-                            }
-                        )
+                        yield chunk(index, {"audio": {"id": audio_ids[index], "data": base64.b64encode(data).decode(),
+                                                      "transcript": "", "sample_rate": rate_of(event.data)}})
                     try:
-                        event = await events.__anext__()
+                        item = tagged(await events.__anext__())
                     except StopAsyncIteration:
-                        event = None
-                usage, finish_reason = usage_of(event.data if event is not None else None, opts, req["text_stage"])
-                yield chunk({}, finish_reason)
+                        item = None
                 if req["include_usage"]:
-                    yield chunk(None, usage=usage)
+                    usage = None
+                    if all(u is not None for u in usages):
+                        completion = sum(u["completion_tokens"] for u in usages)  # type: ignore[index]
+                        prompt = usages[0]["prompt_tokens"]  # type: ignore[index]
+                        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+                    yield chunk(0, None, usage=usage)
             except Exception as exc:
                 _, err, _ = from_exception(exc)
                 yield f"data: {json.dumps({'error': err})}\n\n".encode()
@@ -600,7 +814,42 @@ def make_routes(api: Any) -> list[Any]:
 
         return EventStream(body())
 
+    def error_body(err: Any) -> dict[str, Any]:
+        """The OpenAI shape of an error the server answers before the route runs (the 413 of
+        serve.max_request_bytes)."""
+        return {"error": {"message": f"{err.type}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
+                          "param": None, "code": err.type}}
+
+    for endpoint in (models, one_model, chat_completions):
+        endpoint.omni_error_body = error_body  # type: ignore[attr-defined]
+
     return [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", one_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
+
+
+async def _merged(streams: list[Any]) -> Any:
+    """The events of several streams as they come, each as ``(index of its stream, event)``;
+    closing it closes them all (aborting the requests still running)."""
+    import asyncio
+
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    event = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                yield index, event
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # cancelled, or ended with the request's error
+        for stream in streams:
+            await stream.aclose()

@@ -115,6 +115,13 @@ OPENAI_OPTIONS: dict[str, Option] = {
                                 "false: data URLs only"),
     "system_messages": Option("bool", True, "with messages_key: system (and developer) messages are passed on; "
                               "false: left out, for a model that needs its own system prompt"),
+    "sampling": Option("mapping", {}, "the sampling parameters the pipeline honours, OpenAI name -> input key "
+                       "(temperature, top_p, top_k, seed, stop, presence_penalty, frequency_penalty); a parameter "
+                       "not mapped is refused (400) unless it is absent, null or OpenAI's default"),
+    "max_tokens_limit": Option("positive_int", None, "the largest max_tokens / max_completion_tokens the pipeline "
+                               "takes; more is refused (400) before the request runs (null: no limit here)",
+                               nullable=True),
+    "max_choices": Option("positive_int", 8, "the largest n (choices per request; each is a pipeline request)"),
 }
 
 

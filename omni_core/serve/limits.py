@@ -48,7 +48,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.limit:
-            await _answer(send, too_large(self.limit, declared))
+            await _answer(send, too_large(self.limit, declared), self._shape(scope))
             return
         received = 0
         over = False
@@ -77,7 +77,19 @@ class BodyLimit:
             if not over:
                 raise
         if over and not started:
-            await _answer(send, too_large(self.limit))
+            await _answer(send, too_large(self.limit), self._shape(scope))
+
+    def _shape(self, scope: dict) -> Callable[[HTTPError], dict] | None:
+        """The error body of the route ``scope`` goes to, when it has its own (an API whose
+        errors have another shape sets ``omni_error_body`` on its endpoint), so that a route
+        answers every error in one shape."""
+        from starlette.routing import Match
+
+        for route in getattr(self.router, "routes", ()):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(getattr(route, "endpoint", None), "omni_error_body", None)
+        return None
 
 
 def _content_length(scope: dict) -> int | None:
@@ -90,8 +102,8 @@ def _content_length(scope: dict) -> int | None:
     return None
 
 
-async def _answer(send: Callable, err: HTTPError) -> None:
-    body = json.dumps(error_body(err)).encode()
+async def _answer(send: Callable, err: HTTPError, shape: Callable[[HTTPError], dict] | None = None) -> None:
+    body = json.dumps((shape or error_body)(err)).encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

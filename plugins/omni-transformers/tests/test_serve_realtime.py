@@ -1,4 +1,4 @@
-"""``omni serve qwen2_5_omni --api realtime`` on the tiny checkpoint, with the official ``openai``
+"""``omni serve qwen2_5_omni`` (its config mounts ``realtime``) on the tiny checkpoint, with the official ``openai``
 SDK: a spoken turn (the espeak-ng WAV of omni-contrib-stages' tests) answered with streamed speech
 and transcript equal to the pipeline's own answer for the same conversation, and a text-only second
 turn that sees the first. The realtime API takes the pipeline's ``openai`` adapter options
@@ -26,7 +26,8 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = ServerProcess("qwen2_5_omni", "--api", "realtime", env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
+    # No --api: the pipeline's config mounts realtime beside openai.
+    srv = ServerProcess("qwen2_5_omni", env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
                         cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
     with srv.serving(stop_timeout=120):
         yield srv
