@@ -102,6 +102,25 @@ def test_json_output_of_an_invalid_config_lists_path_message_and_hint(tmp_path, 
     assert report["errors"][0]["hint"].startswith("add 'merge_fn: omni.merge_dicts'")
 
 
+def test_serve_apis_and_every_other_error_are_reported_in_one_run(tmp_path, plugin_site, monkeypatch):
+    """An API no plugin registered (what `omni serve` refuses), a structural error and the graph
+    errors of the rest: one run of `omni validate` names them all."""
+    monkeypatch.setenv("OMNI_LOAD_PLUGINS", "good")
+    text = BAD_CONFIG + "      - {name: tail, factory: acme.upper, terminal: yes, colour: red}\n    serve: {apis: [nope]}\n"
+    result = runner.invoke(app, ["validate", "--json", str(write(tmp_path, "p.yaml", text))])
+    assert result.exit_code == 1, result.output
+    errors = {e["path"]: e["message"] for e in json.loads(result.stdout)["errors"]}
+    assert errors.keys() == {"stages[2].colour", "stages[1].wait_for", "stages[2]", "stages[0].factory", "serve.apis[0]"}
+    assert errors["serve.apis[0]"].startswith("unknown API 'nope'")
+    assert "not reachable" in errors["stages[2]"]
+
+
+def test_serve_apis_of_an_installed_plugin_validate(tmp_path, plugin_site, monkeypatch):
+    monkeypatch.setenv("OMNI_LOAD_PLUGINS", "good")
+    result = runner.invoke(app, ["validate", str(write(tmp_path, "p.yaml", GOOD_CONFIG + "    serve: {apis: [acme.api]}\n"))])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize(
     ("arg", "message"),
     [

@@ -26,15 +26,15 @@ def validate(
     working directory) to check that they exist and that `args` matches their signatures;
     --shallow skips that. Placement (GPU ids, memory budgets, TP ranks) is checked too when the
     config places anything on GPUs or --gpus is given; `omni plan` shows the full plan."""
-    from ..config import load_config, validate_config
+    from ..config import load_config
     from ..errors import ConfigError
     from .importpath import add_config_import_paths
 
     add_config_import_paths(config)
     warnings: tuple[str, ...] = ()
     try:
-        cfg = load_config(config, validate=False)
-        validate_config(cfg, source=config, import_factories=not shallow)
+        # Structure and graph in one pass; serve: the check omni serve makes of serve.apis.
+        cfg = load_config(config, import_factories=not shallow, serve=True)
         if gpus is not None or _places_on_gpus(cfg):
             from ..plan import build_plan
             from ..plugins import get_registry

@@ -329,6 +329,82 @@ def structure(data: Mapping[str, Any], *, source: str | None = None) -> Pipeline
     return cfg
 
 
+def structure_checked(data: Mapping[str, Any]) -> tuple[PipelineConfig | None, list[ConfigIssue], tuple[str, ...]]:
+    """Structure ``data`` for a whole check: ``(config, structural issues, replaced paths)``.
+
+    Without structural issues the config is ``data``'s. With some, the config is a repaired copy,
+    so that the whole-graph rules can run in the same pass: unknown keys dropped, values of the
+    wrong type left to their defaults, missing names and factories given placeholders; the
+    replaced paths say which values the config does not hold (a rule's finding there, above or
+    below is a consequence of the repair, not a second error). None when no repair structures
+    (the structural issues are then all there is to report)."""
+    try:
+        return structure(data), [], ()
+    except ConfigError as exc:
+        issues = list(exc.issues)
+    replaced: list[str] = []
+    repaired: Any = data
+    found = issues
+    for _ in range(3):  # a repair can uncover what it hid: a dropped required value, say
+        fixed = _repair(repaired, found, replaced)
+        if fixed is None:
+            return None, issues, ()
+        repaired = fixed
+        try:
+            return structure(repaired), issues, tuple(replaced)
+        except ConfigError as exc:
+            found = list(exc.issues)
+    return None, issues, ()
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _path_keys(path: str) -> list[str | int] | None:
+    """``stages[2].tp_size`` -> ``["stages", 2, "tp_size"]`` (None for a path it cannot split)."""
+    keys: list[str | int] = []
+    for name, index in _PATH_PART.findall(path):
+        keys.append(int(index) if index else name)
+    return keys or None
+
+
+def _repair(data: Any, issues: list[ConfigIssue], replaced: list[str]) -> dict[str, Any] | None:
+    """A copy of ``data`` without the values ``issues`` are about (see :func:`structure_checked`)."""
+    import copy
+
+    fixed = copy.deepcopy(dict(data))
+    for issue in issues:
+        keys = _path_keys(issue.path)
+        if keys is None or not isinstance(keys[-1], str):
+            return None  # the top level, or a list item that is not a mapping
+        parent: Any = fixed
+        for key in keys[:-1]:
+            try:
+                parent = parent[key]
+            except (KeyError, IndexError, TypeError):
+                return None
+        if not isinstance(parent, dict):
+            return None
+        leaf = keys[-1]
+        if issue.message.startswith("unknown key"):
+            parent.pop(leaf, None)  # dropping it changes nothing else: no path to remember
+        elif issue.message == "required key is missing" or leaf in ("name", "factory"):
+            parent[leaf] = f"<{issue.path}>"  # a name no rule can confuse with a real one
+            replaced.append(issue.path)
+        else:
+            parent.pop(leaf, None)
+            replaced.append(issue.path)
+    return fixed
+
+
+def touches(path: str, replaced: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``path`` is, holds or lies inside one of the ``replaced`` paths."""
+    def inside(inner: str, outer: str) -> bool:
+        return inner == outer or outer == "" or inner.startswith((outer + ".", outer + "["))
+
+    return any(inside(path, r) or inside(r, path) for r in replaced)
+
+
 def _gpu_list_issues(data: Mapping[str, Any]) -> list[ConfigIssue]:
     """A ``gpu`` *list* gives one id per rank, so it has ``tp_size`` entries; a single id
     (``gpu: 2``, not a list) is the short form for consecutive GPUs starting there. The two
@@ -439,28 +515,41 @@ def load_config(
     *,
     validate: bool = True,
     registry: Registry | None = None,
+    import_factories: bool = False,
+    serve: bool = False,
 ) -> PipelineConfig:
     """Load and validate a pipeline config.
 
     ``config`` is a path to a YAML/TOML file, a mapping, a :class:`PipelineConfig`, or the name of a
-    pipeline a plugin registered (``"demo"``). Raises :class:`ConfigError` listing every problem.
-    Names are resolved through ``registry`` (default: the registry of the installed plugins).
+    pipeline a plugin registered (``"demo"``). Raises :class:`ConfigError` listing every problem:
+    the structural ones (unknown keys, wrong types) and, in the same pass, what the whole-graph
+    rules find in the rest. Names are resolved through ``registry`` (default: the registry of the
+    installed plugins). ``import_factories`` and ``serve`` are :func:`~omni_core.config.collect_issues`'s.
     """
     if isinstance(config, PipelineConfig):
-        cfg, source = config, None
-    elif isinstance(config, Mapping):
-        cfg, source = structure(config), None
+        cfg, source, issues, replaced = config, None, [], ()
     else:
-        text = os.fspath(config)
-        if os.path.exists(text) or Path(text).suffix.lower() in CONFIG_SUFFIXES:
-            data, source = read_config_file(text), text
+        if isinstance(config, Mapping):
+            data, source = dict(config), None
         else:
-            data, source = _registered_pipeline_or_error(text, registry)
-        cfg = structure(data, source=source)
+            text = os.fspath(config)
+            if os.path.exists(text) or Path(text).suffix.lower() in CONFIG_SUFFIXES:
+                data, source = read_config_file(text), text
+            else:
+                data, source = _registered_pipeline_or_error(text, registry)
+        if not validate:
+            return structure(data, source=source)
+        found, issues, replaced = structure_checked(data)
+        if found is None:
+            raise ConfigError(issues, source=source)
+        cfg = found
     if validate:
-        from .validate import validate_config
+        from .validate import collect_issues
 
-        validate_config(cfg, source=source, registry=registry)
+        issues += [issue for issue in collect_issues(cfg, registry, import_factories=import_factories, serve=serve)
+                   if not touches(issue.path, replaced)]
+    if issues:
+        raise ConfigError(issues, source=source)
     return cfg
 
 

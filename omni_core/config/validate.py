@@ -31,6 +31,9 @@ class _Context:
     #: Import stage factories to check them against their signatures (``omni validate``; the
     #: runtime planner never imports one).
     import_factories: bool = False
+    #: Check what only ``omni serve`` reads (``serve.apis``): ``omni validate`` and ``omni serve``
+    #: do; ``omni run`` and the library ignore the ``serve`` section.
+    serve: bool = False
 
     def add(self, path: str, message: str, hint: str | None = None) -> None:
         self.issues.append(ConfigIssue(path, message, hint))
@@ -515,6 +518,14 @@ def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
 
 
 @rule
+def served_apis(cfg: PipelineConfig, ctx: _Context) -> None:
+    """``serve.apis`` names APIs an installed plugin registered (what ``omni serve`` mounts)."""
+    if ctx.serve:
+        for k, name in enumerate(cfg.serve.apis):
+            _resolvable(ctx, f"serve.apis[{k}]", "api", name)
+
+
+@rule
 def launch_options(cfg: PipelineConfig, ctx: _Context) -> None:
     """A stage's ``launch:`` mapping belongs to the launcher: its ``validate_launch(launch, path)``
     returns the issues (unknown keys at ``stages[i].launch.x``; the default ignores it)."""
@@ -527,26 +538,28 @@ def launch_options(cfg: PipelineConfig, ctx: _Context) -> None:
 
 
 def collect_issues(
-    cfg: PipelineConfig, registry: Registry | None = None, *, import_factories: bool = False
+    cfg: PipelineConfig, registry: Registry | None = None, *, import_factories: bool = False, serve: bool = False
 ) -> list[ConfigIssue]:
     """Every problem of ``cfg`` (empty when it is valid). With ``import_factories``, stage
     factories are imported and checked against their signatures (what ``omni validate`` does;
-    the runtime never imports a factory in the parent)."""
+    the runtime never imports a factory in the parent). With ``serve``, what ``omni serve``
+    reads is checked too (``serve.apis``)."""
     if registry is None:
         from ..plugins import get_registry
 
         registry = get_registry()
-    ctx = _Context(cfg, registry, import_factories=import_factories)
+    ctx = _Context(cfg, registry, import_factories=import_factories, serve=serve)
     for check in RULES:
         check(cfg, ctx)
     return ctx.issues
 
 
 def validate_config(
-    cfg: PipelineConfig, *, source: str | None = None, registry: Registry | None = None, import_factories: bool = False
+    cfg: PipelineConfig, *, source: str | None = None, registry: Registry | None = None, import_factories: bool = False,
+    serve: bool = False,
 ) -> None:
     """Raise one ConfigError listing every problem of ``cfg``; return None when it is valid."""
-    issues = collect_issues(cfg, registry, import_factories=import_factories)
+    issues = collect_issues(cfg, registry, import_factories=import_factories, serve=serve)
     if issues:
         raise ConfigError(issues, source=source)
 
