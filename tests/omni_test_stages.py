@@ -508,3 +508,21 @@ class Waiter:
             self.cancelled.append(ctx.request_id)
             raise
         return payload
+
+
+class Journal:
+    """Sleeps ``payload["sleep"]`` seconds (default 0.02; blocking the loop, one call at a time,
+    when ``payload["block"]``), appends ``"<pid> <request id>"`` to ``path`` when a call starts,
+    and returns the payload: which process ran which request."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    async def __call__(self, payload, ctx):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {ctx.request_id}\n")
+        if payload.get("block"):
+            time.sleep(payload.get("sleep", 0.02))
+        else:
+            await asyncio.sleep(payload.get("sleep", 0.02))
+        return payload

@@ -191,6 +191,9 @@ class FakeRequests:
     def abort_all(self, reason) -> None:
         self.calls.append(("abort_all", reason))
 
+    def ended(self):
+        return 0, ()
+
     def in_flight(self) -> int:
         return 0
 

@@ -24,6 +24,10 @@ Contracts every relay keeps (``omni_core.testing.relay_conformance`` checks them
   (:mod:`omni_core.relay.checks`).
 - ``release`` frees the sender's slot or credit; ``cleanup(request_id)`` frees everything still
   held for an aborted or failed request, on either side; both are idempotent.
+- Data for an ended request is released: ``release(handle)`` without a ``get`` (the receiver
+  dropped the message unread, its request having ended there) frees the sender's credit as a
+  ``get`` then ``release`` would; ``cleanup_below(floor)`` frees what is held for every request
+  below ``floor`` (all ended: a restarted receiver never saw their end).
 - ``close`` frees every resource the relay holds in this process; nothing outlives it (no shm
   segment, no thread). ``sweep(run_id)`` removes what a crashed run of this relay left behind.
 - A failure of one transfer raises from that ``put``/``get`` only; the relay keeps working.
@@ -120,6 +124,10 @@ class Relay(abc.ABC):
 
     def cleanup(self, request_id: int) -> None:  # noqa: B027
         """Free everything held for ``request_id`` (abort, failure)."""
+
+    def cleanup_below(self, floor: int) -> None:  # noqa: B027
+        """Free everything held for every request below ``floor`` (they all ended). Relays with
+        credits override it; the default frees nothing."""
 
     def close(self) -> None:  # noqa: B027
         """Free every resource of this relay in this process."""

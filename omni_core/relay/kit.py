@@ -207,6 +207,11 @@ class Credits:
         for credit in [c for c in self.held.values() if c.request_id == request_id]:
             self.free(credit)
 
+    def abandon_below(self, floor: int) -> None:
+        """Give up the credits of every request below ``floor`` (a relay's ``cleanup_below``)."""
+        for credit in [c for c in self.held.values() if c.request_id < floor]:
+            self.free(credit)
+
     def holders(self) -> list[int]:
         """The requests holding credits (for the timeout's message)."""
         self.reclaim()

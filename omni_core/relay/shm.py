@@ -135,6 +135,10 @@ class _Pool:
         for span in [s for s in self.spans.values() if s.request_id == request_id]:
             self.free(span)
 
+    def abandon_below(self, floor: int) -> None:
+        for span in [s for s in self.spans.values() if s.request_id < floor]:
+            self.free(span)
+
     def holders(self) -> list[int]:
         self._reclaim()
         return sorted({s.request_id for s in self.spans.values()})
@@ -159,6 +163,10 @@ class _Oneoffs:
 
     def abandon(self, request_id: int) -> None:
         for name in [n for n, (_, s) in self.live.items() if s.request_id == request_id]:
+            self.drop(name)
+
+    def abandon_below(self, floor: int) -> None:
+        for name in [n for n, (_, s) in self.live.items() if s.request_id < floor]:
             self.drop(name)
 
     def holders(self) -> list[int]:
@@ -409,6 +417,14 @@ class ShmRelay(Relay):
             pool.abandon(request_id)
         for big in self._oneoffs.values():
             big.abandon(request_id)
+
+    def cleanup_below(self, floor: int) -> None:
+        for key in [k for k, rid in self._held.items() if rid < floor]:
+            self.release(key)
+        for pool in self._pools.values():
+            pool.abandon_below(floor)
+        for big in self._oneoffs.values():
+            big.abandon_below(floor)
 
     def close(self) -> None:
         self._closed = True

@@ -23,6 +23,7 @@ from typing import Any
 from .. import tracing
 from ..config.schema import PipelineConfig
 from ..errors import (
+    InvalidInput,
     OmniError,
     Overloaded,
     PipelineClosed,
@@ -133,7 +134,9 @@ class Coordinator:
             answer = self._terminal_fn(inputs)
         except Exception as exc:
             raise StageError(str(exc), stage="terminal_stages_fn", request_id=request_id, error_type=type(exc).__name__,
-                             traceback="".join(traceback.format_exception(exc))) from None
+                             traceback="".join(traceback.format_exception(exc)),
+                             invalid_input=isinstance(exc, InvalidInput),
+                             field=exc.field if isinstance(exc, InvalidInput) else None) from None
         try:
             return set(chosen_names(answer, terminals, f"terminal_stages_fn {fn_name!r}",
                                     none_is_all=True, empty_ok=False))
@@ -166,19 +169,19 @@ class Coordinator:
             f"request {req.request_id!r} took longer than limits.request_timeout ({self.config.limits.request_timeout:g} s)",
             request_id=req.request_id))
 
-    async def _send_inputs(self, req: Request, inputs: Any) -> None:
+    async def _send_inputs(self, req: Request, inputs: Any, from_network: bool = False) -> None:
         entry = self._entry
         leaders = self._uses[entry][replica_index(req.rid, len(self._uses[entry]))]
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         await self.endpoint.send_data(leaders[0], "work", req.rid, req.request_id, entry, "", CALLER_RELAY,
-                                      skeleton, tensors, tracing.traceparent())
+                                      skeleton, tensors, tracing.traceparent(), from_network)
 
     # -- the caller's API ------------------------------------------------------------------------
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
+    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False) -> Any:
         req = await self._admit(inputs, request_id, streaming=False)
         try:
-            await self._send_inputs(req, inputs)
+            await self._send_inputs(req, inputs, from_network)
             return await req.future
         except asyncio.CancelledError:
             self.finish(req, error=RequestAborted(f"request {req.request_id!r} was cancelled by the caller", request_id=req.request_id))
@@ -192,11 +195,12 @@ class Coordinator:
             _retrieved(req)
             raise
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
+    async def stream(self, inputs: Any, *, request_id: str | None = None,
+                     from_network: bool = False) -> AsyncGenerator[Event, None]:
         req = await self._admit(inputs, request_id, streaming=True)
         try:
             try:
-                await self._send_inputs(req, inputs)
+                await self._send_inputs(req, inputs, from_network)
             except BaseException as exc:
                 if req.rid in self.requests and not isinstance(exc, asyncio.CancelledError):
                     self.finish(req, error=exc if isinstance(exc, OmniError) else StageError(
@@ -286,7 +290,8 @@ class Coordinator:
     def _failed(self, msg: wire.Failed) -> None:
         req = self.requests.get(msg.rid)
         if req is not None:
-            self.finish(req, error=StageError(msg.message, stage=msg.stage, request_id=req.request_id, error_type=msg.error_type, traceback=msg.traceback))
+            self.finish(req, error=StageError(msg.message, stage=msg.stage, request_id=req.request_id, error_type=msg.error_type, traceback=msg.traceback,
+                                              invalid_input=msg.invalid_input, field=msg.field or None))
 
     def _dropped(self, msg: wire.Dropped) -> None:
         req = self.requests.get(msg.rid)
@@ -370,6 +375,11 @@ class Coordinator:
 
     def in_flight(self) -> int:
         return len(self.requests)
+
+    def ended(self) -> tuple[int, tuple[int, ...]]:
+        floor = self.floor
+        requests = self.requests
+        return floor, tuple(rid for rid in range(floor, self._next_rid) if rid not in requests)
 
     def fail_all(self, error: Callable[[Request], BaseException]) -> None:
         for req in list(self.requests.values()):

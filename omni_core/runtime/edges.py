@@ -157,6 +157,25 @@ class Edges:
             inbound.storages |= lent_storages(relay, tensors)
         return tensors
 
+    def discard(self, relay_name: str, handle: bytes) -> None:
+        """A message that carried ``handle`` was dropped before its tensors were fetched (its
+        request ended here): release what it holds at the sender, as a ``get`` then ``release``
+        would. A handle that does not decode is ignored (nothing of this run can be freed)."""
+        try:
+            if relay_name == SPLIT_RELAY:
+                split = _decode_split(handle)
+                pairs = list(zip(split.relays, split.handles, strict=False))
+            else:
+                pairs = [(relay_name, handle)]
+            for name, sub in pairs:
+                if name == SPLIT_RELAY:
+                    continue
+                relay = self.relays.get(name) or self.relay(name)
+                if type(relay).release is not Relay.release:
+                    relay.release(sub)
+        except Exception as exc:  # a forged or foreign handle: nothing to free
+            self.log.debug("dropped message's handle not released", relay=relay_name, error=str(exc))
+
     @staticmethod
     def detach_chunk(tensors: list, inbound: Inbound) -> Inbound | None:
         """A small chunk's tensors are copied out of relay memory, which is released at once
@@ -186,6 +205,15 @@ class Edges:
         for relay in self.relays.values():
             try:
                 relay.cleanup(rid)
+            except Exception:
+                self.log.exception("relay cleanup failed", relay=relay.name)
+
+    def cleanup_below(self, floor: int) -> None:
+        """Every request below ``floor`` has ended: free what the relays still hold for them (a
+        receiver that restarted never saw their end, so it never released their credits)."""
+        for relay in self.relays.values():
+            try:
+                relay.cleanup_below(floor)
             except Exception:
                 self.log.exception("relay cleanup failed", relay=relay.name)
 

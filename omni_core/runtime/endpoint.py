@@ -130,7 +130,7 @@ class Endpoint:
         self.outbox.flush()
 
     async def send_data(self, to: str, kind: str, rid: int, request_id: str, stage: str, src: str,
-                        relay: str, skeleton: bytes, tensors: list, trace: str = "") -> None:
+                        relay: str, skeleton: bytes, tensors: list, trace: str = "", from_network: bool = False) -> None:
         """Send a packed payload to process ``to`` (for ``stage``): its tensors through the edge's
         ``relay``, the message after them, waiting while the peer's queue is full."""
         address = self.addresses[to]
@@ -138,10 +138,10 @@ class Endpoint:
         if tensors:
             relay, handle, frames = await self.edges.put(relay, rid, tensors, to or "coordinator")
             await outbox.send(address, wire.Data(kind, rid, request_id, stage, src, skeleton, relay, handle,
-                                                 len(frames), self.origin, trace), frames)
+                                                 len(frames), self.origin, trace, from_network), frames)
         else:
             fut = outbox.post(address, wire.Data(kind, rid, request_id, stage, src, skeleton,
-                                                 origin=self.origin, trace=trace))
+                                                 origin=self.origin, trace=trace, from_network=from_network))
             if fut is not None:
                 await fut
 
@@ -170,6 +170,8 @@ class Endpoint:
             return
         try:
             if not receiver.accept(msg):
+                if msg.relay and self._opened:  # dropped unread: its relay memory is freed all the same
+                    self.edges.discard(msg.relay, msg.handle)
                 return
             if msg.nframes != len(frames):
                 receiver.reject(msg, ValueError(

@@ -19,9 +19,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .. import metrics, tracing
+from .. import files, metrics, tracing
 from ..config.schema import PipelineConfig, StageConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidInput
 from ..logs import get_logger
 from ..plan.topology import ProcessSpec
 from ..plugins import signature_text
@@ -84,6 +84,7 @@ class Host:
         self.spec = boot.process
         self.name = boot.process.name
         self.config = config
+        files.configure(config.serve.allow_local_files)  # the local-file rule of requests from the network
         self.registry = registry
         self.endpoint = endpoint
         self.log = get_logger(pipeline=self.config.name, process=self.spec.name)
@@ -91,18 +92,20 @@ class Host:
         #: While :meth:`build_stages` runs: the stage being built and the part of its config at
         #: stake (``".factory"``, ``".args"``, ``""``: the factory itself), for a failed start.
         self.building: tuple[str, str] | None = None
-        self.ended: set[int] = set()  # requests that ended at or above the floor
+        self.ended: set[int] = set(boot.ended)  # requests that ended at or above the floor
         #: rid → the request's W3C traceparent, only while tracing is on (omni_core.tracing).
         self.traces: dict[int, str] = {}
-        self.floor = 0  # every request below it has ended
+        #: The requests that came over the network (StageContext.from_network), until they end.
+        self.networked: set[int] = set()
+        self.floor = boot.floor  # every request below it has ended
         self.stopping: asyncio.Event | None = None
         self.allow_pickle = self.config.allow_pickle
         self._followers = list(boot.followers)
         self.router = Router(self.config, endpoint, routes=boot.routes, edge_relays=boot.edge_relays,
-                             stages=self.stages, traces=self.traces)
+                             stages=self.stages, traces=self.traces, networked=self.networked)
         self._port = StagePort(fail=self.fail, is_ended=self.is_ended, release=endpoint.edges.cleanup,
                                copy_out=endpoint.edges.copy_out, traces=self.traces, finish=self.router.finish,
-                               emit=self.router.emit)
+                               emit=self.router.emit, networked=self.networked)
         endpoint.on_data(self)
         handlers: dict[type, Callable[[Any], None]] = {
             wire.StreamEnd: self._on_stream_end_message, wire.Credit: self.router.on_credit,
@@ -203,6 +206,8 @@ class Host:
             self.traces[rid] = msg.trace
             if len(self.traces) > _TRACES_MEMORY:
                 self.traces.pop(next(iter(self.traces)))
+        if msg.from_network:
+            self.networked.add(rid)
         if self._followers:
             self._to_followers(msg, payload)
         stage = self.stages[msg.stage]
@@ -235,7 +240,7 @@ class Host:
         transfer = inline_transfer(tensors)
         relay = CALLER_RELAY if tensors else ""
         copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay,
-                             transfer.handle, len(transfer.frames), "", msg.trace)
+                             transfer.handle, len(transfer.frames), "", msg.trace, msg.from_network)
         for follower in self._followers:
             self.endpoint.post(follower, copy_msg, transfer.frames)
         # The leader's call may start at once (eagerly) and wait in a collective for its
@@ -254,6 +259,7 @@ class Host:
 
     def _clean(self, rid: int) -> None:
         self.traces.pop(rid, None)
+        self.networked.discard(rid)
         self.endpoint.forget(rid)
         for stage in self.stages.values():
             stage.forget(rid)
@@ -265,8 +271,11 @@ class Host:
         state still held for one of them (its ``Forget`` may come later, from a TP leader)."""
         self.floor = floor
         self.ended = {rid for rid in self.ended if rid >= floor}
+        if self.networked:
+            self.networked.difference_update([rid for rid in self.networked if rid < floor])
         stale = {rid for stage in self.stages.values() for rid in stage.requests() if rid < floor}
         stale.update(rid for rid in (*self.endpoint.ordered.keys(), *self.router.windows.requests()) if rid < floor)
+        self.endpoint.edges.cleanup_below(floor)
         for rid in stale:
             self._clean(rid)
 
@@ -275,7 +284,9 @@ class Host:
         if self.is_ended(rid):
             return
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.endpoint.post(COORDINATOR, wire.Failed(rid, stage, type(exc).__name__, str(exc), tb))
+        invalid = isinstance(exc, InvalidInput)  # the caller's mistake (omni serve: 400 naming the field)
+        field = (exc.field or "") if isinstance(exc, InvalidInput) else ""
+        self.endpoint.post(COORDINATOR, wire.Failed(rid, stage, type(exc).__name__, str(exc), tb, invalid, field))
         self.forget(rid)
 
     def state(self) -> dict[str, int]:

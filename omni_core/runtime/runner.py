@@ -103,6 +103,10 @@ class Requests(Protocol):
     def in_flight(self) -> int:
         """How many requests are in flight."""
 
+    def ended(self) -> tuple[int, tuple[int, ...]]:
+        """``(floor, ended)``: every request below ``floor`` has ended, and so have those of
+        ``ended`` (what a restarted process must know so that it runs none of them)."""
+
 
 class Runner:
     """Starts, supervises and stops the processes of one plan.
@@ -441,9 +445,10 @@ class Runner:
                 self.log.warning("restarting process group", group=group, restart=self.restarts)
                 try:
                     await self._kill(group)
+                    floor, ended = self.requests.ended()
                     for name in group:
                         boot = self.boots[name]
-                        self.boots[name] = attrs.evolve(boot, generation=boot.generation + 1)
+                        self.boots[name] = attrs.evolve(boot, generation=boot.generation + 1, floor=floor, ended=ended)
                         self._launch(name)
                     await self._wait_ready(group, time.monotonic() + self.config.limits.startup_timeout)
                     if leader not in self._again and all(self.live(n) for n in group):

@@ -52,7 +52,9 @@ class Bootstrap:
     """Everything a stage process needs, sent by the launcher (picklable).
 
     ``generation`` counts the restarts of the process's group: a restarted TP group meets at a
-    fresh rendezvous."""
+    fresh rendezvous. A restarted process starts knowing which requests already ended (``floor``:
+    every request below it; ``ended``: those at or above it), so it drops what its predecessor
+    was sent for them and runs no request whose caller was told it failed."""
 
     run_id: str
     runtime_dir: str
@@ -66,6 +68,8 @@ class Bootstrap:
     followers: tuple[str, ...] = ()
     cwd: str | None = None
     generation: int = 0
+    floor: int = 0
+    ended: tuple[int, ...] = ()
 
 
 class Inbound:

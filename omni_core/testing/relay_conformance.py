@@ -212,6 +212,10 @@ class RelayConformance:
     relay_options: ClassVar[dict[str, Any]] = {}
     credits: ClassVar[int | None] = None
     put_timeout: ClassVar[float] = 1.0
+    #: Why a ``release`` without a ``get`` cannot give the sender's credit back (a relay whose
+    #: receiver must first reach the sender); "" for a relay that keeps that part of the contract.
+    #: The runtime then relies on the sender's ``cleanup`` when the request's end reaches it.
+    unread_release_gap: ClassVar[str] = ""
     large_bytes: ClassVar[int] = 8 << 20
 
     # -- fixtures -------------------------------------------------------------------------------
@@ -489,6 +493,41 @@ class RelayConformance:
             await self.assert_put_times_out(sender)
             sender.cleanup(8)
             await self.send(sender, receiver, [sample(torch.float32)], 9)
+
+        self.run(go())
+
+    def test_data_for_an_ended_request_is_released_without_a_get(self, sender, receiver):
+        """A receiver drops a message of a request that ended there unread: releasing its handle
+        without a ``get`` gives the sender's credit back."""
+        if self.unread_release_gap:
+            pytest.skip(f"{self.relay_ref()}: {self.unread_release_gap}")
+
+        async def go():
+            handles = await self.fill_credits(sender, receiver, 3, got=0)
+            for handle in handles:
+                await receiver.acall(cmd.release, handle)
+            await self.fill_credits(sender, receiver, 4, got=self.needs_credits())  # every credit is back
+            await receiver.acall(cmd.cleanup, 4)
+
+        self.run(go())
+
+    def test_cleanup_below_a_floor_frees_the_credits_of_ended_requests(self, sender, receiver):
+        """Every request below the floor ended (a restarted receiver never saw their end):
+        ``cleanup_below(floor)`` frees their credits, and keeps those of requests at the floor."""
+        if type(sender).cleanup_below is Relay.cleanup_below:
+            pytest.skip(f"{self.relay_ref()} does not override cleanup_below (it frees nothing by floor)")
+
+        async def go():
+            n = self.needs_credits()
+            kept = await self.send(sender, receiver, [sample(torch.float32)], 20, False)
+            for i in range(n - 1):
+                await sender.put(10 + i % 3, [sample(torch.float32)], RECEIVER)
+            sender.cleanup_below(20)
+            for _ in range(n - 1):  # n - 1 credits came back; request 20's is still held
+                await sender.put(21, [sample(torch.float32)], RECEIVER)
+            await self.assert_put_times_out(sender)
+            await receiver.acall(cmd.release, kept[1])
+            sender.cleanup(21)
 
         self.run(go())
 
