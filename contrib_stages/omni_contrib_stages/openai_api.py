@@ -269,14 +269,16 @@ def _refuse_unless(body: Mapping[str, Any], name: str, ok: bool, why: str) -> No
         raise BadRequest(f"'{name}' {why}", name)
 
 
-def _parameters(body: Mapping[str, Any], opts: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """The request's sampling inputs (by input key) and its ``n``, after checking every field that
+def _parameters(body: Mapping[str, Any], opts: dict[str, Any]) -> tuple[dict[str, Any], int, list[str]]:
+    """The request's sampling inputs (by input key), its ``n`` and the stop sequences the adapter
+    applies itself (``stop`` when the pipeline does not take it), after checking every field that
     is not the prompt: unknown fields, parameters the pipeline does not honour, bad values."""
     unknown = [key for key in body if key not in FIELDS]
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(repr(k) for k in unknown)}; a chat completion request "
                          f"takes: {', '.join(FIELDS)}", unknown[0])
     inputs: dict[str, Any] = {}
+    stops: list[str] = []
     for name in SAMPLING:
         value = body.get(name)
         if value is None:
@@ -285,6 +287,8 @@ def _parameters(body: Mapping[str, Any], opts: dict[str, Any]) -> tuple[dict[str
         key = opts["sampling"].get(name)
         if key is not None:
             inputs[key] = value
+        elif name == "stop":
+            stops = value
         elif name not in SAMPLING_DEFAULTS or value != SAMPLING_DEFAULTS[name]:
             default = f" or send {SAMPLING_DEFAULTS[name]}" if name in SAMPLING_DEFAULTS else ""
             taken = ", ".join(opts["sampling"]) or "none"
@@ -314,7 +318,41 @@ def _parameters(body: Mapping[str, Any], opts: dict[str, Any]) -> tuple[dict[str
     _refuse_unless(body, "store", body.get("store") is False, "is not supported: this server stores no completions "
                    "(leave it out or send false)")
     _refuse_unless(body, "service_tier", isinstance(body.get("service_tier"), str), "must be a string")
-    return inputs, n
+    return inputs, n, stops
+
+
+class StopText:
+    """A choice's text cut at the first of ``stops`` (the stop sequence itself left out), as it
+    grows: :meth:`feed` takes the whole text so far and returns what may be sent now, holding back
+    an end that could be the start of a stop sequence; :meth:`finish` the rest once the text is
+    whole. ``stopped`` says whether a stop sequence was found. Without stops it holds nothing back."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.sent = ""
+        self.stopped = False
+
+    def _safe(self, text: str, final: bool) -> str:
+        cuts = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
+        if cuts:
+            self.stopped = True
+            return text[:min(cuts)]
+        if final:
+            return text
+        hold = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        return text[:len(text) - hold]
+
+    def feed(self, text: str, final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        safe = self._safe(text, final)
+        if not safe.startswith(self.sent):  # the whole text is not the pieces joined: send no more
+            return ""
+        new, self.sent = safe[len(self.sent):], safe
+        return new
+
+    def finish(self, text: str) -> str:
+        return self.feed(text, final=True)
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -400,7 +438,11 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         limits.append(limit)
     if limits and opts["max_tokens_key"] is not None:
         inputs[opts["max_tokens_key"]] = limits[0]
-    sampling, n = _parameters(body, opts)
+    sampling, n, stops = _parameters(body, opts)
+    if stops and want_audio:
+        raise BadRequest("'stop' with audio output is not supported: this model does not take stop sequences, and "
+                         "the server can cut the text at one but not the speech; leave 'stop' out or ask for "
+                         'modalities ["text"]', "stop")
     inputs.update(sampling)
     choices = [inputs]
     seed_key = opts["sampling"].get("seed")
@@ -410,7 +452,7 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         else:
             choices.append({**inputs, seed_key: choice_seed(inputs.get(seed_key, 0), index)})
     text_stage = opts["text_stage"] if want_audio else opts.get("text_only_stage") or opts["text_stage"]
-    return {"inputs": inputs, "choices": choices, "stream": stream, "audio": want_audio, "format": fmt,
+    return {"inputs": inputs, "choices": choices, "stops": stops, "stream": stream, "audio": want_audio, "format": fmt,
             "text_stage": text_stage}
 
 
@@ -646,7 +688,7 @@ def make_routes(api: Any) -> list[Any]:
         events = streams[0] if n == 1 else _merged(streams)
         if req["stream"]:
             return await _streamed(request, rid, req, events, n)
-        choices = [_Choice() for _ in range(n)]
+        choices = [_Choice(req["stops"]) for _ in range(n)]
 
         async def collect():
             async for event in events:
@@ -668,6 +710,9 @@ def make_routes(api: Any) -> list[Any]:
         for index, choice in enumerate(choices):
             text = _final_text(choice.result, opts, choice.pieces, req["text_stage"])
             usage, finish_reason = usage_of(choice.result, opts, req["text_stage"])
+            cuts = [i for i in (text.find(stop) for stop in req["stops"]) if i >= 0]
+            if cuts:
+                text, finish_reason = text[:min(cuts)], "stop"
             if usage is not None:  # n choices: one prompt, every choice's completion tokens
                 usage_total = dict(usage) if usage_total is None else {
                     "prompt_tokens": usage_total["prompt_tokens"],
@@ -702,20 +747,27 @@ def make_routes(api: Any) -> list[Any]:
         )
 
     class _Choice:
-        """What one choice's events brought: text pieces, audio, the result."""
+        """What one choice's events brought: text pieces, audio, the result; done at its result,
+        or at a stop sequence the adapter applies."""
 
-        def __init__(self) -> None:
+        def __init__(self, stops: list[str]) -> None:
             self.pieces: list[str] = []
             self.pcm = bytearray()
             self.rates: list[int] = []
             self.result: Any = None
             self.done = False
+            self.cut = StopText(stops)
 
         def take(self, event: Any, req: dict[str, Any]) -> None:
+            if self.done:
+                return
             if event.is_result:
                 self.result, self.done = event.data, True
             elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
                 self.pieces.append(piece)
+                if req["stops"]:
+                    self.cut.feed(opts["text_joiner"].join(self.pieces))
+                    self.done = self.cut.stopped
             elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
                 self.pcm.extend(data)
                 self.rates.append(rate_of(event.data))
@@ -756,36 +808,44 @@ def make_routes(api: Any) -> list[Any]:
 
         async def body():
             item = first
-            sent = [""] * n  # each choice's text so far, as the client joined it
+            joined = [""] * n  # each choice's pieces joined
             pieces = [0] * n
+            cuts = [StopText(req["stops"]) for _ in range(n)]  # what was sent of each, cut at a stop sequence
+            done = [False] * n
             usages: list[dict[str, int] | None] = [None] * n
             audio_ids = [f"audio-{rid}" if n == 1 else f"audio-{rid}-{i}" for i in range(n)]
+
+            def text_delta(index: int, text: str) -> bytes:
+                delta: dict[str, Any] = {"content": text}
+                if req["audio"]:
+                    delta["audio"] = {"id": audio_ids[index], "transcript": text}
+                return chunk(index, delta)
+
             try:
                 for index in range(n):
                     yield chunk(index, {"role": "assistant", "content": ""})
-                while item is not None:
+                while item is not None and not all(done):
                     index, event = item
-                    if event.is_result:
+                    if done[index]:
+                        pass
+                    elif event.is_result:
                         # What the streamed pieces lack of the whole text (the demo's final "."): one
                         # more delta, so the deltas join to the non-streamed answer.
-                        whole = _final_text(event.data, opts, [], req["text_stage"]) if isinstance(
-                            stage_part(event.data, req["text_stage"]), Mapping) else ""
-                        if whole and whole.startswith(sent[index]) and len(whole) > len(sent[index]):
-                            rest = whole[len(sent[index]):]
-                            delta: dict[str, Any] = {"content": rest}
-                            if req["audio"]:
-                                delta["audio"] = {"id": audio_ids[index], "transcript": rest}
-                            yield chunk(index, delta)
+                        part = stage_part(event.data, req["text_stage"])
+                        whole = part.get(opts["result_text_field"]) if isinstance(part, Mapping) else None
+                        if rest := cuts[index].finish(whole if isinstance(whole, str) else joined[index]):
+                            yield text_delta(index, rest)
                         usages[index], finish_reason = usage_of(event.data, opts, req["text_stage"])
-                        yield chunk(index, {}, finish_reason)
+                        done[index] = True
+                        yield chunk(index, {}, "stop" if cuts[index].stopped else finish_reason)
                     elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
-                        text = piece if pieces[index] == 0 else opts["text_joiner"] + piece
+                        joined[index] += piece if pieces[index] == 0 else opts["text_joiner"] + piece
                         pieces[index] += 1
-                        sent[index] += text
-                        delta = {"content": text}
-                        if req["audio"]:
-                            delta["audio"] = {"id": audio_ids[index], "transcript": text}
-                        yield chunk(index, delta)
+                        if new := cuts[index].feed(joined[index]):
+                            yield text_delta(index, new)
+                        if cuts[index].stopped:  # the rest of this choice is not wanted
+                            done[index] = True
+                            yield chunk(index, {}, "stop")
                     elif (
                         req["audio"]
                         and event.stage == opts["audio_stage"]
@@ -793,6 +853,8 @@ def make_routes(api: Any) -> list[Any]:
                     ):
                         yield chunk(index, {"audio": {"id": audio_ids[index], "data": base64.b64encode(data).decode(),
                                                       "transcript": "", "sample_rate": rate_of(event.data)}})
+                    if all(done):
+                        break
                     try:
                         item = tagged(await events.__anext__())
                     except StopAsyncIteration:

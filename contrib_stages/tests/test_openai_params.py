@@ -61,7 +61,8 @@ def refused(client, posts, param: str, **kwargs) -> openai.BadRequestError:
     ("top_p", {"top_p": 0.5}),
     ("top_k", {"extra_body": {"top_k": 5}}),
     ("seed", {"seed": 7}),
-    ("stop", {"stop": ["river"]}),
+    ("stop", {"stop": ["river"], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
+    ("stop", {"stop": ["a", "b", "c", "d", "e"]}),
     ("presence_penalty", {"presence_penalty": 0.5}),
     ("frequency_penalty", {"frequency_penalty": -1}),
     ("response_format", {"response_format": {"type": "json_object"}}),
@@ -139,6 +140,29 @@ def test_streamed_transcript_with_audio_joins_to_the_text(client):
             if choice.delta.audio is not None:
                 transcript += choice.delta.audio.transcript or ""
     assert text == transcript == whole
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stop_sequences_cut_the_text_streamed_or_not(client, n):
+    whole = client.chat.completions.create(model="demo", messages=HELLO, max_tokens=13).choices[0].message.content
+    words = whole.split()
+    stop = words[5][:3]  # the start of the 6th word; a stop sequence may end inside a word
+    want = whole[:whole.index(stop)]
+    done = client.chat.completions.create(model="demo", messages=HELLO, max_tokens=13, stop=["zzz", stop], n=n)
+    assert [(c.message.content, c.finish_reason) for c in done.choices] == [(want, "stop")] * n
+    texts, finishes = [""] * n, [None] * n
+    for chunk in client.chat.completions.create(model="demo", messages=HELLO, max_tokens=13, stop=stop, n=n,
+                                                stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [want] * n and finishes == ["stop"] * n
+    # A stop sequence in what the result adds to the streamed words (the final "."), and one never met.
+    for stop, text, finish in [(".", whole[:-1], "stop"), ("zzz", whole, "stop")]:
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="demo", messages=HELLO, max_tokens=13, stop=stop, stream=True) if c.choices)
+        done = client.chat.completions.create(model="demo", messages=HELLO, max_tokens=13, stop=stop)
+        assert streamed == done.choices[0].message.content == text and done.choices[0].finish_reason == finish
 
 
 def test_models_retrieve(client):
