@@ -30,6 +30,9 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           messages_key: null          # the conversation (with audio / image parts) goes to inputs[messages_key]
           allow_local_files: false    # image_url may name a file on the server (else data URLs only)
           system_messages: true       # with messages_key: pass system / developer messages on
+          sampling: {}                # OpenAI sampling parameter -> input key, e.g. {seed: seed}
+          max_tokens_limit: null      # the largest max_tokens the pipeline takes
+          max_choices: 8              # the largest n
 
 With ``messages_key`` the stage gets the conversation in Qwen's chat format: each message's role
 and content, a string or parts ``{"type": "text", "text"}``, ``{"type": "audio", "audio": bytes}``
@@ -40,6 +43,12 @@ becomes ``"image": path`` only when ``allow_local_files`` is true; other URLs ar
 Audio in a chunk is either mono little-endian 16-bit PCM (``bytes``) or samples: a 1-D torch
 tensor, numpy array or list, float in [-1, 1] (any float dtype, bfloat16 included: clipped, scaled
 by 32767 and rounded half to even, as omni-transformers writes its WAV files) or int16 (as is).
+
+Every request field is honoured or refused (400 naming it): sampling parameters the pipeline maps
+(``sampling``) go to its inputs, the others are refused unless at OpenAI's default, except ``stop``,
+which the API applies itself (it cuts the text); ``n`` runs ``n`` pipeline requests (choice ``i``
+with ``seed + i``); ``response_format`` text, ``logprobs`` false, ``tools`` empty; ``user`` and
+``metadata`` are accepted and ignored; an unknown field is refused listing :data:`FIELDS`.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status
 codes of ``omni serve`` (400, 404, 429 + Retry-After, 500, 503, 504).
