@@ -3,14 +3,14 @@
 
 Template files end in ``.tmpl``; ``__pkg__`` in a path becomes the package name. Placeholders:
 ``$name`` (the plugin's name and namespace), ``$pkg`` (``omni_NAME``), ``$dist`` (``omni-NAME``),
-``$omni_min`` (the omni-core version the plugin declares as its minimum), ``$omni_core`` (where
-the generated ``tox.ini`` installs omni-core from: see :func:`omni_core_source`), ``$torch`` (the
-torch version its ``constraints.txt`` pins) and a few for the README.
+``$omni_min`` (the omni-core version the plugin declares as its minimum), ``$omni_core`` and
+``$omni_core_min`` (what the generated ``tox.ini`` installs by default: see
+:func:`omni_core_requirement`), ``$torch`` (the torch version its ``constraints.txt`` pins) and a
+few for the README. Nothing rendered names a path of the machine that generated it.
 """
 
 from __future__ import annotations
 
-import json
 import keyword
 import re
 from importlib import metadata, resources
@@ -92,7 +92,8 @@ def _values(name: str, kind: str) -> dict[str, str]:
         "omni_min": __version__,
         "description": f"omni plugin {name!r}: {KINDS[kind]}.",
         "run_example": run,
-        "omni_core": omni_core_source(),
+        "omni_core": omni_core_requirement(),
+        "omni_core_min": omni_core_requirement(minimum=True),
         "torch": torch_pin(),
         "layout": _layout(kind, name, pkg),
         "dependencies": ", ".join(f'"{d}"' for d in [f"omni-core>={__version__}", *_DEPENDENCIES[kind]]),
@@ -101,41 +102,21 @@ def _values(name: str, kind: str) -> dict[str, str]:
     }
 
 
-def omni_core_source() -> str:
-    """Where this omni-core came from, as a pip requirement the generated ``tox.ini`` installs by
-    default (no index has omni-core): the source tree it runs from (an editable install or a
-    checkout); else the folder or file (wheel) it was installed from, or a URL, as pip recorded it
-    (``direct_url.json``); else ``omni-core==VERSION`` from the user's index."""
-    tree = Path(__file__).resolve().parent.parent
-    if re.search(r'^name = "omni-core"$', _read(tree / "pyproject.toml"), re.M):
-        return str(tree)
-    try:
-        recorded = metadata.distribution("omni-core").read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        recorded = None
-    url = json.loads(recorded).get("url", "") if recorded else ""
-    if url.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        return unquote(urlparse(url).path)
-    if url:
-        return f"omni-core @ {url}"
-    return f"omni-core=={__version__}"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return ""
+def omni_core_requirement(minimum: bool = False) -> str:
+    """The omni-core the generated ``tox.ini`` installs when ``OMNI_CORE`` (``OMNI_CORE_MIN`` for
+    the minimum) is not set: a requirement any machine can read, never a path of the checkout that
+    generated the plugin. Where no index has omni-core, those variables point at omni's source
+    tree or a wheel (the generated README says so)."""
+    return f"omni-core=={__version__}" if minimum else f"omni-core>={__version__}"
 
 
 def torch_pin() -> str:
-    """The torch of the environment that runs the generator, local label included (``2.13.0+cpu``):
-    the generated ``constraints.txt`` pins it, so tox installs that very build (the CPU one omni
-    develops against) or fails saying so, never the newest torch of an index (a CUDA build with
-    gigabytes of NVIDIA libraries)."""
-    return metadata.version("torch")
+    """The torch version of the environment that runs the generator, without its local label
+    (``2.13.0``, not ``2.13.0+cpu``, a label no default index has): the generated
+    ``constraints.txt`` pins it, so tox installs that release and never the newest one. Which
+    build pip picks (CPU or CUDA) is the index's business: the generated README says how to get
+    the CPU one."""
+    return metadata.version("torch").split("+", 1)[0]
 
 
 def run_command(name: str, kind: str) -> str:

@@ -10,7 +10,7 @@ Like a terminal, each command starts in the folder the previous one ended in, an
 page activates stays active. Nothing of the test's own environment leaks in: its ``bin`` is off
 ``PATH``, and ``OMNI_*``, ``PIP_CONSTRAINT``, ``PYTHONPATH`` and ``VIRTUAL_ENV`` are unset. pip's
 cache is shared (the CPU torch is not downloaded again). The README's ``tox`` runs as ``tox
-config`` (that it finds omni-core and the CPU torch with no settings, without building its
+config`` (that it installs omni-core by requirement and pins torch, without building its
 environments): the plugin-template tox env runs a generated plugin's tox for real
 (tests/generated_tox.py)."""
 
@@ -119,10 +119,6 @@ def test_the_tutorial_and_the_generated_readme_work_in_a_fresh_venv(tmp_path):
         check_step(command, expected, shell.run(command))
 
     # the generated README, in the same environment, from the folder it is written for
-    venv_python = work / ".venv" / "bin" / "python"
-    source = subprocess.run([str(venv_python), "-c", "from omni_core.scaffold import omni_core_source as s; print(s())"],
-                            cwd=work, env=shell.env, capture_output=True, text=True, timeout=120)
-    assert source.stdout.strip() == str(ROOT), source.stderr  # what the generator recorded: $OMNI
     readme = (work / "omni-acme" / "README.md").read_text()
     shell.cwd = work
     ran = []
@@ -131,7 +127,8 @@ def test_the_tutorial_and_the_generated_readme_work_in_a_fresh_venv(tmp_path):
             command = f"tox config -e py{sys.version_info[0]}{sys.version_info[1]}-omniinstalled -k deps set_env"
             done = shell.run(command)
             check_step(command, expected, done)
-            assert re.search(rf"^deps = {re.escape(str(ROOT))}$", done.stdout, re.M), done.stdout
+            # by requirement, never a path of this checkout (OMNI_CORE says where when no index has it)
+            assert re.search(r"^deps = omni-core>=\S+$", done.stdout, re.M), done.stdout
             assert f"PIP_CONSTRAINT={shell.cwd}/constraints.txt" in done.stdout, done.stdout
             continue
         check_step(command, expected, shell.run(command))
