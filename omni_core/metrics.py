@@ -373,13 +373,13 @@ class RequestMeter:
             "error": None if error is None else {"type": getattr(error, "error_type", None) or type(error).__name__, "stage": stage},
         })
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
+    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False) -> Any:
         wall, start = time.time(), time.perf_counter()
         self._gauge(+1)
         status = "error"
         error = None
         try:
-            result = await self.pipeline.submit(inputs, request_id=request_id)
+            result = await self.pipeline.submit(inputs, request_id=request_id, from_network=from_network)
             status = "ok"
             return result
         except BaseException as exc:
@@ -391,7 +391,8 @@ class RequestMeter:
             self.ended(status, seconds)
             self._remember(request_id, status, wall, seconds, None, error)
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Any, None]:
+    async def stream(self, inputs: Any, *, request_id: str | None = None,
+                     from_network: bool = False) -> AsyncGenerator[Any, None]:
         wall, start = time.time(), time.perf_counter()
         self._gauge(+1)
         status = "aborted"  # left before the result: the caller stopped reading
@@ -399,7 +400,7 @@ class RequestMeter:
         first = True
         chunks: dict[str, list[float]] = {}
         try:
-            async for event in self.pipeline.stream(inputs, request_id=request_id):
+            async for event in self.pipeline.stream(inputs, request_id=request_id, from_network=from_network):
                 if not event.is_result:
                     now = time.perf_counter() - start
                     if first:

@@ -60,13 +60,14 @@ class FakeEndpoint(Endpoint):
         pass
 
     async def send_data(self, to: str, kind: str, rid: int, request_id: str, stage: str, src: str,
-                        relay: str, skeleton: bytes, tensors: list, trace: str = "") -> None:
+                        relay: str, skeleton: bytes, tensors: list, trace: str = "", from_network: bool = False) -> None:
         if tensors:
             relay, handle, frames = await self.edges.put(relay, rid, tensors, to or "coordinator")
             self.post(to, wire.Data(kind, rid, request_id, stage, src, skeleton, relay, handle, len(frames),
-                                    self.origin, trace), frames)
+                                    self.origin, trace, from_network), frames)
         else:
-            self.post(to, wire.Data(kind, rid, request_id, stage, src, skeleton, origin=self.origin, trace=trace))
+            self.post(to, wire.Data(kind, rid, request_id, stage, src, skeleton, origin=self.origin, trace=trace,
+                                    from_network=from_network))
 
     # -- in: played by the test ------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ PACKAGES = [("omni_core", ROOT)] + [
 #: module is in the layer of its longest listed prefix; the distributions built on omni-core
 #: (contrib_stages, the plugins) lie above all of it.
 LAYERS: list[tuple[str, ...]] = [
-    ("omni_core._compat", "omni_core._version", "omni_core.errors", "omni_core.logs", "omni_core.metrics", "omni_core.tracing"),
+    ("omni_core._compat", "omni_core._version", "omni_core.errors", "omni_core.files", "omni_core.logs", "omni_core.metrics",
+     "omni_core.tracing"),
     ("omni_core.options", "omni_core.registry", "omni_core.hookspecs", "omni_core.contracts",
      "omni_core.capabilities"),
     ("omni_core.plugins",),

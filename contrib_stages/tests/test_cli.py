@@ -46,7 +46,8 @@ def run_omni(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
 
 
 def test_omni_run_demo_streams_tokens_then_the_result_and_writes_the_wav(tmp_path):
-    done, _ = run_omni(["run", "demo", "--input", '{"text": "hello omni", "max_tokens": 5}', "--stream"], tmp_path)
+    done, _ = run_omni(["run", "demo", "--input", '{"text": "hello omni", "max_tokens": 5, "wav_path": "hello.wav"}',
+                        "--stream"], tmp_path)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     *chunks, last = lines
@@ -54,9 +55,10 @@ def test_omni_run_demo_streams_tokens_then_the_result_and_writes_the_wav(tmp_pat
     assert [c["chunk"]["index"] for c in chunks] == [0, 1, 2, 3, 4]
     result = last["result"]
     assert " ".join(c["chunk"]["text"] for c in chunks) + "." == result["thinker"]["text"]
-    # the default file, one per request, lands in omni-demo/ in the directory omni was started in
-    wav_path = tmp_path / "omni-demo" / "req-1.wav"
+    # the file asked for, relative to the directory omni was started in; nothing else is written
+    wav_path = tmp_path / "hello.wav"
     assert result["vocoder"]["wav_path"] == str(wav_path)
+    assert not (tmp_path / "omni-demo").exists()
     with wave.open(str(wav_path)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
         assert w.getnframes() == result["vocoder"]["samples"] == (5 * 4 + 1) * 1200

@@ -37,6 +37,8 @@ def live(tmp_path_factory, clean_env, module_no_leaks):  # noqa: F811 - clean_en
     cwd = tmp_path_factory.mktemp("cwd")
     cfg = yaml.safe_load(files("omni_contrib_stages").joinpath("pipelines/demo.yaml").read_text())
     cfg["limits"] = {**cfg.get("limits", {}), "stream_buffer": 4, "stream_stall_timeout": 30}
+    # A folder for the WAVs of requests that name none (the shipped config writes none).
+    cfg["stages"][0]["args"]["wav_dir"] = "omni-demo"
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="demo-live-loop", daemon=True)
     thread.start()

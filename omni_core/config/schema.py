@@ -91,6 +91,9 @@ class ServeConfig:
     options: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     #: The largest request body, in bytes, any route takes (core routes and APIs alike).
     max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, metadata=POSITIVE)
+    #: The directory requests over the network may name files in (``wav_path``, audio and image
+    #: paths; resolved paths must stay inside it). None (the default): they may name no server file.
+    allow_local_files: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -69,13 +69,19 @@ class StageContext:
       waits until the payload arrives. Anywhere else it returns the payload at once.
     - ``ctx.aborted``: True once the request was aborted (sync stages running in a worker thread
       should check it in long loops; async stages are cancelled).
+    - ``ctx.from_network``: True when the request came over the network (any ``omni serve``
+      route), False for ``omni run`` and the Python API (unless the caller passed
+      ``from_network=True``). A stage that treats an input as a server file asks
+      :func:`omni_core.files.local_path` for it, which applies the rule for such requests.
     """
 
-    __slots__ = ("request_id", "stage_name", "_rid", "_runtime", "_aborted", "_loop", "_payload", "_arrival")
+    __slots__ = ("request_id", "stage_name", "from_network", "_rid", "_runtime", "_aborted", "_loop", "_payload",
+                 "_arrival")
 
     def __init__(self, runtime: _Runtime, rid: int, request_id: str, payload: Any = PENDING,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, from_network: bool = False):
         self.request_id = request_id
+        self.from_network = from_network
         self.stage_name = runtime.name
         self._rid = rid
         self._runtime = runtime

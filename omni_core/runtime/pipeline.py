@@ -138,17 +138,21 @@ class Pipeline:
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None) -> Any:
+    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False) -> Any:
         """Run one request and return its result (a dict of stage → result when several
         terminal stages answer). Raises ``StageError``, ``ProcessDied``, ``Overloaded``,
-        ``RequestAborted``, ``RequestTimeout``."""
-        return await self.coordinator.submit(inputs, request_id=request_id)
+        ``RequestAborted``, ``RequestTimeout``. ``from_network``: the request came over the
+        network (a server sets it): stages see ``ctx.from_network`` and refuse server paths in
+        it unless ``serve.allow_local_files`` allows them (:mod:`omni_core.files`)."""
+        return await self.coordinator.submit(inputs, request_id=request_id, from_network=from_network)
 
-    def stream(self, inputs: Any, *, request_id: str | None = None) -> AsyncGenerator[Event, None]:
+    def stream(self, inputs: Any, *, request_id: str | None = None,
+               from_network: bool = False) -> AsyncGenerator[Event, None]:
         """Run one request and yield ``Event``s: the chunks terminal stages emit, in order, as
         the caller reads them (a terminal stage waits while ``limits.stream_buffer`` chunks are
-        unread), then the result (``event.is_result``). Leaving the loop early aborts it."""
-        return self.coordinator.stream(inputs, request_id=request_id)
+        unread), then the result (``event.is_result``). Leaving the loop early aborts it.
+        ``from_network``: as for :meth:`submit`."""
+        return self.coordinator.stream(inputs, request_id=request_id, from_network=from_network)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight: every stage holding it is cancelled and its relay resources

@@ -10,7 +10,7 @@ relayed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config.schema import PipelineConfig
@@ -38,8 +38,9 @@ class Router:
 
     def __init__(self, config: PipelineConfig, endpoint: Endpoint, *, routes: Mapping[str, Sequence[str]],
                  edge_relays: Mapping[tuple[str, str, str], str], stages: Mapping[str, StageRuntime],
-                 traces: Mapping[int, str]):
+                 traces: Mapping[int, str], networked: Container[int] = frozenset()):
         self.endpoint = endpoint
+        self.networked = networked  # the requests that came over the network (read only)
         self.edge_relays = edge_relays
         self.stages = stages
         self.traces = traces
@@ -80,7 +81,7 @@ class Router:
             procs = self._processes_of[target]
             to = procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
             await self.endpoint.send_data(to, kind, rid, request_id, target, name, relay, skeleton, tensors,
-                                          self.traces.get(rid, "") if self.traces else "")
+                                          self.traces.get(rid, "") if self.traces else "", rid in self.networked)
         if not local:
             return
         stages = self.stages

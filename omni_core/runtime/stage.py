@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import inspect
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
@@ -170,8 +170,9 @@ class StagePort:
     """What a stage uses of its process, handed to it by the host: fail a request (``fail(rid,
     stage, exc)``), whether a request ended (``is_ended``), free a request's relay memory
     (``release``), copy what views relay memory out of a result (``copy_out``), the trace
-    context of requests (``traces``, read only), and the router's ``finish`` (a call's result
-    goes on) and ``emit`` (a stream chunk goes on)."""
+    context of requests (``traces``, read only), the router's ``finish`` (a call's result
+    goes on) and ``emit`` (a stream chunk goes on), and the requests that came over the network
+    (``networked``, read only: ``StageContext.from_network``)."""
 
     fail: Callable[[int, str, BaseException], None]
     is_ended: Callable[[int], bool]
@@ -180,6 +181,7 @@ class StagePort:
     traces: Mapping[int, str]
     finish: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
     emit: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
+    networked: Container[int] = frozenset()
 
 
 class StageRuntime:
@@ -332,7 +334,7 @@ class StageRuntime:
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.get_running_loop()
-        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload, loop)
+        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload, loop, rid in self.port.networked)
         if payload is PENDING:
             self.awaiting[rid] = ctx
         stand_in = _Starting(loop)

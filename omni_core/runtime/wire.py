@@ -31,6 +31,7 @@ class Data(msgspec.Struct, tag="d", array_like=True):
     nframes: int = 0
     origin: str = ""
     trace: str = ""  # W3C traceparent of the request ("" unless tracing is on; omni_core.tracing)
+    from_network: bool = False  # the request came over the network (StageContext.from_network; omni_core.files)
 
 
 class StreamEnd(msgspec.Struct, tag="e", array_like=True):
@@ -61,6 +62,8 @@ class Failed(msgspec.Struct, tag="f", array_like=True):
     error_type: str
     message: str
     traceback: str
+    invalid_input: bool = False  # an omni_core.errors.InvalidInput: the caller's mistake, about ``field``
+    field: str = ""
 
 
 class Dropped(msgspec.Struct, tag="x", array_like=True):

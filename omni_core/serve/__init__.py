@@ -21,19 +21,24 @@ An API plugin's factory receives an :class:`ApiContext` and returns Starlette ro
 from __future__ import annotations
 
 from .app import build_app
-from .context import ApiContext, ClientGone, EventStream, ServeSettings, ServeState, sse
-from .errors import HTTPError, describe, error_body, error_response
+from .context import MAX_JSON_DEPTH, ApiContext, ClientGone, EventStream, ServeSettings, ServeState, parse_json, read_json, sse
+from .errors import HTTPError, describe, error_body, error_response, log_error, parts
 
 __all__ = [
     "ApiContext",
     "ClientGone",
     "EventStream",
     "HTTPError",
+    "MAX_JSON_DEPTH",
     "ServeSettings",
     "ServeState",
     "build_app",
     "describe",
     "error_body",
     "error_response",
+    "log_error",
+    "parse_json",
+    "parts",
+    "read_json",
     "sse",
 ]

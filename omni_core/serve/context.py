@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -23,7 +24,7 @@ from ..encoding import EncodingError, from_jsonable, to_jsonable
 from ..errors import RequestAborted
 from ..logs import get_logger
 from ..metrics import RequestMeter
-from .errors import RETRY_AFTER, HTTPError, describe, error_body, error_response
+from .errors import RETRY_AFTER, HTTPError, describe, error_body, error_response, log_error
 
 
 @attrs.define
@@ -95,7 +96,9 @@ class ApiContext:
     ``pipeline``: the running :class:`~omni_core.Pipeline`; ``settings``: the server's
     :class:`ServeSettings`; ``options``: this API's ``serve.options`` mapping from the config.
     Use :meth:`submit` / :meth:`stream` rather than the pipeline's own methods: they refuse work
-    while the server drains, count the request in ``/metrics``, and apply the timeout."""
+    while the server drains, count the request in ``/metrics``, apply the timeout, and mark the
+    request as come over the network (``ctx.from_network``: stages refuse server paths in it
+    unless ``serve.allow_local_files`` allows them)."""
 
     name: str
     pipeline: Any
@@ -119,8 +122,9 @@ class ApiContext:
             bind_request(request_id)
             with tracing.request_span(f"{self.name} request", request_id=request_id, pipeline=self.state.name, headers=headers):
                 if timeout is None:
-                    return await self.state.meter.submit(inputs, request_id=request_id)
-                return await asyncio.wait_for(self.state.meter.submit(inputs, request_id=request_id), timeout)
+                    return await self.state.meter.submit(inputs, request_id=request_id, from_network=True)
+                return await asyncio.wait_for(self.state.meter.submit(inputs, request_id=request_id, from_network=True),
+                                              timeout)
         finally:
             self.state.leave(request_id)
 
@@ -132,7 +136,7 @@ class ApiContext:
         request_id = request_id or new_request_id()
         self.state.enter(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        events = self.state.meter.stream(inputs, request_id=request_id)
+        events = self.state.meter.stream(inputs, request_id=request_id, from_network=True)
         span = tracing.start_request_span(f"{self.name} stream", request_id=request_id, pipeline=self.state.name, headers=headers)
         error: BaseException | None = None
         first = True
@@ -288,13 +292,48 @@ def request_fields(body: Any) -> tuple[Any, bool, str | None, float | None]:
     return inputs, stream, request_id, timeout
 
 
-async def read_json(request: Any) -> Any:
-    """The request's JSON body; a 400 naming the problem otherwise."""
-    raw = await request.body()
+#: How deeply a request's JSON body may nest arrays and objects (a chat request needs 5 or so).
+MAX_JSON_DEPTH = 64
+
+
+_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(text: str | bytes, limit: int) -> bool:
+    """Whether ``text`` (JSON) nests arrays/objects deeper than ``limit``: counted on the raw text
+    (strings left out) before any parser recurses into it, in passes at C speed that each take
+    away the innermost level (the empty brackets ``[]``)."""
+    if isinstance(text, str):
+        text = text.encode("utf-8", "surrogatepass")
+    if text.count(b"[") + text.count(b"{") <= limit:  # cannot be deeper: the common case
+        return False
+    brackets = _JSON_STRINGS.sub(b"", text).translate(_BRACKETS, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def parse_json(raw: str | bytes, *, what: str = "the body", limit: int = MAX_JSON_DEPTH) -> Any:
+    """``raw`` parsed as JSON; an ``HTTPError`` 400 naming the problem otherwise (not JSON, not
+    UTF-8, or nested deeper than ``limit``: refused before parsing, so a deep body costs no
+    recursion anywhere). Every route that reads a JSON body uses it (or :func:`read_json`)."""
+    if _too_deep(raw, limit):
+        raise HTTPError(400, "InvalidRequest", f"{what} nests arrays/objects more than {limit} deep")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPError(400, "InvalidRequest", f"the body is not valid JSON: {exc}") from None
+        raise HTTPError(400, "InvalidRequest", f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser goes: the check above should have caught it
+        raise HTTPError(400, "InvalidRequest", f"{what} nests arrays/objects too deeply") from None
+
+
+async def read_json(request: Any) -> Any:
+    """The request's JSON body (:func:`parse_json`); a 400 naming the problem otherwise."""
+    return parse_json(await request.body())
 
 
 async def stream_body(request: Any, events: AsyncGenerator[Any, None], first: Any, request_id: str, *,
@@ -324,11 +363,9 @@ async def stream_body(request: Any, events: AsyncGenerator[Any, None], first: An
 
 
 def note_error(request: Any, exc: BaseException) -> HTTPError:
-    """The HTTP form of a failed request's error, logged once (stage errors with their
-    traceback)."""
+    """The HTTP form of a failed request's error, logged once (:func:`~.errors.log_error`: a 5xx
+    at error with its traceback, a client's mistake at warning)."""
     err = describe(exc)
     request.scope.setdefault("state", {})["omni_error"] = err
-    tb = getattr(exc, "traceback", None)
-    get_logger().error("request failed", type=err.type, stage=err.stage, status=err.status,
-                       message=err.message.splitlines()[0] if err.message else "", **({"traceback": tb} if tb else {}))
+    log_error(get_logger(), "request failed", err, exc)
     return err

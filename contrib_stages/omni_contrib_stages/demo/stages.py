@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from omni_core.errors import InvalidInput
+from omni_core.files import local_path
 from torch.nn import functional as F
 
 from .models import PATTERN, VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_pcm16
@@ -34,8 +36,8 @@ def _seeded(seed: int, build):
         return build()
 
 
-def _bad_input(message: str) -> ValueError:
-    return ValueError(f"{message}; the demo takes inputs like {EXAMPLE}")
+def _bad_input(message: str, field: str | None = None) -> InvalidInput:
+    return InvalidInput(f"{message}; the demo takes inputs like {EXAMPLE}", field=field)
 
 
 def _file_name(request_id: str) -> str:
@@ -63,8 +65,10 @@ class Preprocess:
          "_to": [...]}                                       # only when "speak": false
 
     Inputs: ``text`` (required), ``max_tokens`` (words to write, default 13 = one sentence),
-    ``wav_path`` (default ``<wav_dir>/<request id>.wav``, one file per request, with ``wav_dir``
-    ``omni-demo`` relative to the directory omni runs in; null: no file), ``speak``
+    ``wav_path`` (the WAV file the vocoder writes, relative to the directory omni runs in; a server
+    path, so a request over the network may name one only where ``serve.allow_local_files``
+    allows it, see :mod:`omni_core.files`; default: none, unless the stage's ``wav_dir`` argument
+    names a folder, then ``<wav_dir>/<request id>.wav``; null: no file), ``speak``
     (default true; false skips the talker and vocoder by routing to ``without_speech`` only),
     ``stream_audio`` (default false; true makes the vocoder stream its audio to the caller as
     ``{"index", "pcm16", "sample_rate"}`` chunks, as ``omni serve``'s OpenAI API asks it to),
@@ -74,7 +78,7 @@ class Preprocess:
     """
 
     def __init__(self, n_features: int = 64, image_size: int = 32, audio_seconds: float = 1.0,
-                 wav_dir: str = "omni-demo", max_tokens_limit: int = 64,
+                 wav_dir: str | None = None, max_tokens_limit: int = 64,
                  without_speech: list[str] | None = None):
         self.n_features = n_features
         self.image_size = image_size
@@ -88,22 +92,29 @@ class Preprocess:
             raise _bad_input(f"expected a JSON object, got {type(inputs).__name__}")
         unknown = sorted(set(inputs) - {"text", "max_tokens", "wav_path", "speak", "stream_audio", "audio", "image"})
         if unknown:
-            raise _bad_input(f"unknown input key(s) {unknown}; known: text, max_tokens, wav_path, speak, stream_audio, audio, image")
+            raise _bad_input(f"unknown input key(s) {unknown}; known: text, max_tokens, wav_path, speak, stream_audio, audio, image",
+                             unknown[0])
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise _bad_input("'text' must be a non-empty string")
+            raise _bad_input("'text' must be a non-empty string", "text")
         max_tokens = inputs.get("max_tokens", 13)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.max_tokens_limit:
-            raise _bad_input(f"'max_tokens' must be an integer from 1 to {self.max_tokens_limit}, got {max_tokens!r}")
-        wav_path = inputs["wav_path"] if "wav_path" in inputs else os.path.join(self.wav_dir, _file_name(ctx.request_id) + ".wav")
-        if wav_path is not None and (not isinstance(wav_path, str) or not wav_path):
-            raise _bad_input(f"'wav_path' must be a file name or null (no file), got {wav_path!r}")
+            raise _bad_input(f"'max_tokens' must be an integer from 1 to {self.max_tokens_limit}, got {max_tokens!r}",
+                             "max_tokens")
+        if "wav_path" in inputs:  # the caller's file: a server path, under the local-file rule
+            wav_path = inputs["wav_path"]
+            if wav_path is not None and (not isinstance(wav_path, str) or not wav_path):
+                raise _bad_input(f"'wav_path' must be a file name or null (no file), got {wav_path!r}", "wav_path")
+            if wav_path is not None:
+                wav_path = str(local_path(ctx, wav_path, "wav_path", write=True))
+        else:  # the operator's folder (none by default: no file)
+            wav_path = None if self.wav_dir is None else os.path.join(self.wav_dir, _file_name(ctx.request_id) + ".wav")
         speak = inputs.get("speak", True)
         if not isinstance(speak, bool):
-            raise _bad_input(f"'speak' must be true or false, got {speak!r}")
+            raise _bad_input(f"'speak' must be true or false, got {speak!r}", "speak")
         stream_audio = inputs.get("stream_audio", False)
         if not isinstance(stream_audio, bool):
-            raise _bad_input(f"'stream_audio' must be true or false, got {stream_audio!r}")
+            raise _bad_input(f"'stream_audio' must be true or false, got {stream_audio!r}", "stream_audio")
         text_ids = list(text.encode("utf-8"))[:512]
         audio = self._audio(inputs.get("audio"), text_ids)
         payload: dict[str, Any] = {
@@ -115,7 +126,8 @@ class Preprocess:
         }
         if not speak:
             if self.without_speech is None:
-                raise _bad_input("'speak': false needs the preprocess stage's 'without_speech' argument in the config")
+                raise _bad_input("'speak': false needs the preprocess stage's 'without_speech' argument in the config",
+                                 "speak")
             payload["_to"] = self.without_speech
         return payload
 
@@ -124,9 +136,10 @@ class Preprocess:
             try:
                 wave_ = torch.as_tensor(audio, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
-                raise _bad_input("'audio' must be a list of numbers (samples at 16 kHz)") from None
+                raise _bad_input("'audio' must be a list of numbers (samples at 16 kHz)", "audio") from None
             if wave_.dim() != 1 or wave_.numel() < 400:
-                raise _bad_input(f"'audio' must be a flat list of at least 400 samples, got shape {tuple(wave_.shape)}")
+                raise _bad_input(f"'audio' must be a flat list of at least 400 samples, got shape {tuple(wave_.shape)}",
+                                 "audio")
             return wave_
         # A chord whose notes come from the text: different texts sound different.
         t = torch.arange(int(self.audio_seconds * INPUT_SAMPLE_RATE), dtype=torch.float32) / INPUT_SAMPLE_RATE
@@ -145,11 +158,11 @@ class Preprocess:
             try:
                 pixels = torch.as_tensor(image, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
-                raise _bad_input("'image' must be a nested list of numbers ([h][w] or [h][w][3])") from None
+                raise _bad_input("'image' must be a nested list of numbers ([h][w] or [h][w][3])", "image") from None
             if pixels.dim() == 2:
                 pixels = pixels.unsqueeze(-1).expand(-1, -1, 3)
             if pixels.dim() != 3 or pixels.shape[-1] != 3:
-                raise _bad_input(f"'image' must be [h][w] or [h][w][3], got shape {tuple(pixels.shape)}")
+                raise _bad_input(f"'image' must be [h][w] or [h][w][3], got shape {tuple(pixels.shape)}", "image")
             pixels = pixels.permute(2, 0, 1).unsqueeze(0)
             return F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False).squeeze(0)
         # Stripes whose angle and colours come from the text.
