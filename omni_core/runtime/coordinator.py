@@ -83,11 +83,12 @@ class Coordinator:
         for stage in cfg.stages:
             self._uses[stage.name] = [[leader, *plan.followers(leader)] for leader in plan.processes_of(stage.name)]
 
-    def processes_of(self, rid: int) -> set[str]:
-        """Every process request ``rid`` may use."""
+    def processes_of(self, rid: int, past: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """Every process request ``rid`` may use (still, when the stages ``past`` are done with it)."""
         out: set[str] = set()
-        for replicas in self._uses.values():
-            out.update(replicas[replica_index(rid, len(replicas))])
+        for stage, replicas in self._uses.items():
+            if stage not in past:
+                out.update(replicas[replica_index(rid, len(replicas))])
         return out
 
     # -- admission -------------------------------------------------------------------------------
@@ -270,14 +271,25 @@ class Coordinator:
         if msg.kind == "result":
             if msg.stage in req.expected or (not req.expected and not req.results):
                 req.results[msg.stage] = payload
+            self._heard(req, msg.stage)
+            req.past.add(msg.stage)  # a result is a stage's last word
             self._maybe_complete(req)
         elif msg.kind == "event":
+            if msg.stage not in req.heard:
+                self._heard(req, msg.stage)
             if req.events is not None:
                 req.events.put_nowait((Event("chunk", msg.stage, payload), msg.origin))
             else:  # nobody reads chunks of a submitted request: their credit comes back at once
                 self._read(req, msg.stage, msg.origin)
         else:
             self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
+
+    def _heard(self, req: Request, stage: str) -> None:
+        """The caller heard from ``stage``: the stages on the line to it are done with ``req``."""
+        req.heard.add(stage)
+        passed = self.graph.passed.get(stage)
+        if passed:
+            req.past.update(passed)
 
     def _on_failed(self, msg: wire.Failed) -> None:
         if msg.rid in self.requests:
@@ -360,8 +372,9 @@ class Coordinator:
         self.endpoint.post_all(self.lifecycle.live_of(names), msg)
 
     def fail_where(self, processes: set[str], error: Callable[[Request], BaseException]) -> int:
-        """Fail every request that may use one of ``processes``; returns how many."""
-        hit = [req for rid, req in self.requests.items() if self.processes_of(rid) & processes]
+        """Fail every request that is, or will be, in one of ``processes`` (decided by where
+        each request is: the stages known done with it no longer count); returns how many."""
+        hit = [req for rid, req in self.requests.items() if self.processes_of(rid, req.past) & processes]
         for req in hit:
             self.finish(req, error=error(req))
         return len(hit)

@@ -47,6 +47,10 @@ class Request:
     last_dropper: str | None = None
     #: stream credits read but not yet given back, per (stage, origin process)
     owed: dict[tuple[str, str], int] = attrs.Factory(dict)
+    #: stages known to be done with the request (what a process death there no longer costs it)
+    past: set[str] = attrs.Factory(set)
+    #: stages the caller heard from (a chunk or a result)
+    heard: set[str] = attrs.Factory(set)
 
     @property
     def complete(self) -> bool:
@@ -59,7 +63,8 @@ class Request:
 
 
 class Graph:
-    """The static ``next`` graph, for finding stages a request can no longer reach."""
+    """The static ``next`` graph, for finding stages a request can no longer reach, and those
+    it has passed."""
 
     def __init__(self, cfg: PipelineConfig):
         self.entry = cfg.entry
@@ -68,6 +73,33 @@ class Graph:
         for stage in cfg.stages:
             for target in stage.next:
                 self.preds[target].append(stage.name)
+        self.passed = {s.name: self._passed(cfg, s.name) for s in cfg.stages}
+
+    def _passed(self, cfg: PipelineConfig, heard: str) -> frozenset[str]:
+        """The stages certainly done with a request once ``heard`` sent something for it: those
+        upstream of ``heard`` whose one output is a payload on a line to ``heard`` (one ``next``,
+        no ``stream_to``) and that get no more input (the entry, or every predecessor done
+        too). The largest such set: start from every ancestor and drop what breaks the rule."""
+        ancestors: set[str] = set()
+        todo = list(self.preds[heard])
+        while todo:
+            node = todo.pop()
+            if node not in ancestors and node != heard:
+                ancestors.add(node)
+                todo.extend(self.preds[node])
+        stages = {s.name: s for s in cfg.stages}
+        done = set(ancestors)
+        changed = True
+        while changed:
+            changed = False
+            for name in list(done):
+                s = stages[name]
+                ok = (len(s.next) == 1 and not s.stream_to and (s.next[0] in done or s.next[0] == heard)
+                      and (name == self.entry or (self.preds[name] and all(p in done for p in self.preds[name]))))
+                if not ok:
+                    done.discard(name)
+                    changed = True
+        return frozenset(done)
 
     def mark_dropped(self, req: Request, stage: str, targets: Iterable[str]) -> None:
         """Record that ``stage`` routed ``req`` away from ``targets`` and update ``req.dead``."""
