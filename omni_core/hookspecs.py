@@ -129,6 +129,21 @@ def omni_register_pipelines(register: Register) -> None:
     """
 
 
+@hookspec
+def omni_register_families(register: Register) -> None:
+    """Register model families: ``register("acme_lm", "acme_omni.family:FAMILY",
+    model_types=["acme_lm"], pipeline="acme_lm", description="...")``.
+
+    A model family serves checkpoints of some architectures: ``model_types`` are the
+    ``config.json`` ``model_type`` values it serves, ``pipeline`` the registered pipeline that
+    serves such a checkpoint (``omni run DIR`` / ``omni serve DIR`` / ``omni plan DIR`` on a
+    checkpoint folder pick it by its ``model_type`` and give its stages the folder as ``model``).
+    ``obj`` is the family's descriptor (omni-transformers' ``omni_transformers.kit.family.Family``
+    for families on its kit), imported only when used; ``omni plugins list`` lists families and
+    ``omni plugins check`` imports them. See docs/models.md ("Adding a model family").
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # Serving
 # --------------------------------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def smoke_round(cls: Any, device: str = "cpu") -> str | None:
 
 #: Kinds whose names users type (``omni run demo``, ``omni serve --api openai``): a short,
 #: well-known name outside the plugin's namespace is a warning there, an error elsewhere.
-USER_FACING_KINDS = frozenset({"pipeline", "api"})
+USER_FACING_KINDS = frozenset({"pipeline", "api", "family"})
 
 
 def _check_entry(entry: Entry, plugins: Plugins, info: PluginInfo, out: list[Problem], smoke: bool) -> None:
@@ -257,6 +257,9 @@ def _check_entry(entry: Entry, plugins: Plugins, info: PluginInfo, out: list[Pro
             pass
     elif entry.kind == "launcher" and not inspect.isclass(obj):
         out.append(Problem(pid, entry.name, "the launcher is not a class", "register a class implementing the launcher protocol"))
+    elif entry.kind == "family" and entry.meta.get("pipeline") not in plugins.registry.names("pipeline"):
+        out.append(Problem(pid, entry.name, f"the model family's pipeline {entry.meta.get('pipeline')!r} is not registered",
+                           "register that pipeline (omni_register_pipelines) or name a registered one in pipeline="))
     elif entry.kind == "api" and not callable(obj):
         out.append(Problem(pid, entry.name, f"the API factory is a {type(obj).__name__}, not callable",
                            "register a function fn(api: omni_core.serve.ApiContext) returning Starlette routes"))

@@ -246,6 +246,15 @@ def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str)
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: check= takes a function or a "
                               f"'package.module:function' path, got {value!r}")
         meta["check"] = value
+    if kind == "family":  # what serving a checkpoint folder decides from, without importing the family
+        types, pipeline = given.get("model_types"), given.get("pipeline")
+        if isinstance(types, str) or not types or not all(isinstance(t, str) and t for t in types):
+            raise PluginError(f"{where}: model family {name!r} needs model_types=[...], the config.json "
+                              f"model_type values it serves, got {types!r}")
+        if not isinstance(pipeline, str) or not pipeline:
+            raise PluginError(f"{where}: model family {name!r} needs pipeline='NAME', the registered pipeline "
+                              f"that serves its checkpoints, got {pipeline!r}")
+        meta["model_types"], meta["pipeline"] = tuple(types), pipeline
     if "options" in allowed:
         value = given.get("options")
         if value is None and not isinstance(obj, str):
@@ -295,7 +304,7 @@ class _Collector:
                     f"{where}: pipeline {name!r} must be a mapping, a file path, a 'package:file.yaml' "
                     f"string or a callable returning one, got {type(obj).__name__}"
                 )
-        elif not isinstance(obj, str) and not callable(obj):
+        elif kind != "family" and not isinstance(obj, str) and not callable(obj):
             raise PluginError(f"{where}: {name!r} must be callable, got {type(obj).__name__}")
         if any(e.kind == kind and e.name == name for e in self.entries):
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r} is registered twice")

@@ -53,6 +53,7 @@ KINDS: tuple[KindSpec, ...] = (
     KindSpec("launcher", "launcher", "omni_register_launchers", ("options",)),
     KindSpec("pipeline", "pipeline", "omni_register_pipelines"),
     KindSpec("api", "API", "omni_register_apis", ("options",)),
+    KindSpec("family", "model family", "omni_register_families", ("model_types", "pipeline")),
 )
 
 KIND_SPECS: dict[str, KindSpec] = {spec.name: spec for spec in KINDS}

@@ -150,6 +150,11 @@ GOOD = FakeDistribution(
 
 
             @omni_core.hookimpl
+            def omni_register_families(register):
+                register("acme.family", {"name": "acme.family"}, model_types=["acme_lm"], pipeline="acme.demo")
+
+
+            @omni_core.hookimpl
             def omni_register_pipelines(register):
                 register("acme.demo", "omnitest_good:demo.yaml")
                 register("acme.inline", {

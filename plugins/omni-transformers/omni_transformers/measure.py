@@ -227,7 +227,7 @@ def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_token
     import torch
     import transformers
 
-    from .thinker import Thinker
+    from .qwen2_5_omni.thinker import Thinker
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     transformers.logging.set_verbosity_error()

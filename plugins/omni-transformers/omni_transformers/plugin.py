@@ -4,98 +4,36 @@ from __future__ import annotations
 
 import omni_core
 
+from .kit.wiring import (
+    audio_inputs,
+    image_inputs,
+    no_payload,
+    route_encoded,
+    route_inputs,
+    speech_inputs,
+    terminal_stages,
+    text_inputs,
+    wait_for_encoders,
+)
+
 PREFIX = "transformers.qwen2_5_omni"
-
-
-def no_payload(request_id, payload):
-    """Route function: send the result nowhere (the stage's output travels in its stream)."""
-    return []
-
-
-# The stage names the processor's routing and the thinker's fan-in expect (both pipelines use them).
-AUDIO_ENCODER, VISION_ENCODER, PROCESSOR = "audio_encoder", "vision_encoder", "processor"
-# The processor's output keys that only the encoders read.
-_AUDIO_KEYS, _IMAGE_KEYS = ("audio_features",), ("pixel_values",)
-
-
-# The stage answering text-only requests (``return_audio: false``): a thinker without speech.
-TEXT = "text"
-
-
-def route_inputs(request_id, payload):
-    """Route function of the processor: thinker, talker and token2wav (a text-only request,
-    ``return_audio: false``: the text-only thinker ``text`` alone), plus the audio encoder when
-    the request has audio and the vision encoder when it has images."""
-    targets = [TEXT] if payload.get("return_audio") is False else ["thinker", "talker", "token2wav"]
-    if payload.get("audio_features"):
-        targets.append(AUDIO_ENCODER)
-    if payload.get("pixel_values") is not None:
-        targets.append(VISION_ENCODER)
-    return targets
-
-
-def wait_for_encoders(request_id, from_stage, payload):
-    """wait_for function of the thinker: the processor's payload, plus the audio / vision encoder's
-    when the request has audio / images (a text-only request waits for nothing more)."""
-    if from_stage != PROCESSOR:
-        return None  # known once the processor's payload is here
-    needed = [PROCESSOR]
-    if payload.get("audio_seqlens"):
-        needed.append(AUDIO_ENCODER)
-    if payload.get("image_grid_thw"):
-        needed.append(VISION_ENCODER)
-    return needed
-
-
-def text_inputs(payload):
-    """Projection: the processor's output without what only the encoders read."""
-    return {k: v for k, v in payload.items() if k not in _AUDIO_KEYS + _IMAGE_KEYS}
-
-
-def speech_inputs(payload):
-    """Projection: the processor's output without the prompt's audio and image inputs (talker, token2wav)."""
-    return {k: v for k, v in payload.items() if k not in _AUDIO_KEYS + _IMAGE_KEYS + ("audio_seqlens", "image_grid_thw")}
-
-
-def audio_inputs(payload):
-    """Projection: what the audio encoder reads (and ``return_audio``, which its result carries on)."""
-    return {"audio_features": payload["audio_features"], "audio_seqlens": payload["audio_seqlens"],
-            "return_audio": payload.get("return_audio", True)}
-
-
-def image_inputs(payload):
-    """Projection: what the vision encoder reads (and ``return_audio``, which its result carries on)."""
-    return {"pixel_values": payload["pixel_values"], "image_grid_thw": payload["image_grid_thw"],
-            "return_audio": payload.get("return_audio", True)}
-
-
-def route_encoded(request_id, payload):
-    """Route function of the encoders: to the thinker, or to ``text`` for a text-only request."""
-    return [TEXT] if payload.get("return_audio") is False else ["thinker"]
-
-
-def terminal_stages(inputs):
-    """terminal_stages function: ``text`` answers a request with ``return_audio: false``, token2wav
-    any other (a bad value is the processor's error)."""
-    if isinstance(inputs, dict) and inputs.get("return_audio") is False:
-        return [TEXT]
-    return ["token2wav"]
+_Q = "omni_transformers.qwen2_5_omni"
 
 
 @omni_core.hookimpl
 def omni_register_stages(register):
-    check = "omni_transformers.checks:check_model"  # every stage loads a part of the checkpoint
-    register(f"{PREFIX}.processor", "omni_transformers.processor:Processor",
+    check = "omni_transformers.kit.checks:check_model"  # every stage loads a part of the checkpoint
+    register(f"{PREFIX}.processor", f"{_Q}.processor:Processor",
              description="Qwen2.5-Omni inputs (chat messages with text, audio, images) -> model inputs", check=check)
-    register(f"{PREFIX}.audio_encoder", "omni_transformers.encoders:AudioEncoder",
+    register(f"{PREFIX}.audio_encoder", f"{_Q}.encoders:AudioEncoder",
              description="Qwen2.5-Omni audio tower: audio features -> embeddings, micro-batched", check=check)
-    register(f"{PREFIX}.vision_encoder", "omni_transformers.encoders:VisionEncoder",
+    register(f"{PREFIX}.vision_encoder", f"{_Q}.encoders:VisionEncoder",
              description="Qwen2.5-Omni vision tower: image patches -> embeddings, micro-batched", check=check)
-    register(f"{PREFIX}.thinker", "omni_transformers.thinker:Thinker",
+    register(f"{PREFIX}.thinker", f"{_Q}.thinker:Thinker",
              description="Qwen2.5-Omni thinker: text tokens, streaming each step to the talker", check=check)
-    register(f"{PREFIX}.talker", "omni_transformers.talker:Talker",
+    register(f"{PREFIX}.talker", f"{_Q}.talker:Talker",
              description="Qwen2.5-Omni talker: codec codes from the thinker's live stream", check=check)
-    register(f"{PREFIX}.token2wav", "omni_transformers.token2wav:Token2Wav",
+    register(f"{PREFIX}.token2wav", f"{_Q}.token2wav:Token2Wav",
              description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)", check=check)
 
 
@@ -117,3 +55,9 @@ def omni_register_pipelines(register):
              description="Qwen2.5-Omni: thinker in one process, talker + token2wav in another")
     register("qwen2_5_omni.split", "omni_transformers:pipelines/qwen2_5_omni_split.yaml",
              description="Qwen2.5-Omni: processor, thinker, talker and token2wav in a process each")
+
+
+@omni_core.hookimpl
+def omni_register_families(register):
+    register("qwen2_5_omni", "omni_transformers.qwen2_5_omni:FAMILY", model_types=["qwen2_5_omni"],
+             pipeline="qwen2_5_omni", description="Qwen2.5-Omni: thinker, talker (one code per frame), DiT + BigVGAN")

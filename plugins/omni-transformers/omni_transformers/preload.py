@@ -8,4 +8,5 @@ from transformers import AutoTokenizer, DynamicCache  # noqa: F401
 from transformers.generation import logits_process  # noqa: F401
 from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni  # noqa: F401
 
-from omni_transformers import models, processor, talker, thinker, token2wav  # noqa: F401
+from omni_transformers.kit import sampling  # noqa: F401
+from omni_transformers.qwen2_5_omni import processor, talker, thinker, token2wav  # noqa: F401

@@ -21,10 +21,10 @@ Streams (docs/models.md lists every key):
   ``{"text", "token_ids", "codes", "audio", "sample_rate"}``.
 """
 
-from .common import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT
-from .processor import Processor
-from .talker import Talker
-from .thinker import Thinker
-from .token2wav import Token2Wav
+from .qwen2_5_omni.common import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT
+from .qwen2_5_omni.processor import Processor
+from .qwen2_5_omni.talker import Talker
+from .qwen2_5_omni.thinker import Thinker
+from .qwen2_5_omni.token2wav import Token2Wav
 
 __all__ = ["DEFAULT_SPEAKER", "DEFAULT_SYSTEM_PROMPT", "Processor", "Talker", "Thinker", "Token2Wav"]

@@ -3,7 +3,7 @@ their path): a thinker whose batched step raises while one request (seed 666) is
 
 from __future__ import annotations
 
-from omni_transformers.thinker import Thinker, ThinkerEngine
+from omni_transformers.qwen2_5_omni.thinker import Thinker, ThinkerEngine
 
 POISON_SEED = 666
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
-from omni_transformers.checks import check_model
+from omni_transformers.kit.checks import check_model
 
 pytestmark = pytest.mark.timeout(300)
 

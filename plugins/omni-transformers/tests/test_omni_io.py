@@ -13,12 +13,13 @@ import pytest
 import soundfile
 import torch
 
-from omni_transformers.encoders import AudioEncoder, VisionEncoder
-from omni_transformers.inputs import prefill_inputs
-from omni_transformers.media import MediaError
-from omni_transformers.models import load_part, make_generator, speaker_params
-from omni_transformers.processor import Processor
-from omni_transformers.token2wav import (
+from omni_transformers.qwen2_5_omni.encoders import AudioEncoder, VisionEncoder
+from omni_transformers.qwen2_5_omni.inputs import prefill_inputs
+from omni_transformers.kit.media import MediaError
+from omni_transformers.kit.sampling import make_generator
+from omni_transformers.qwen2_5_omni.parts import load_part, speaker_params
+from omni_transformers.qwen2_5_omni.processor import Processor
+from omni_transformers.qwen2_5_omni.token2wav import (
     STREAM_MAX_RELATIVE_ERROR,
     STREAM_MIN_CORRELATION,
     ChunkedSynthesis,
@@ -284,7 +285,7 @@ def test_token2wav_emits_audio_before_the_last_code_arrives(token2wav):
 def test_the_wav_file_holds_the_audio_so_far_after_every_chunk(tmp_path):
     import wave
 
-    from omni_transformers.token2wav import WavWriter
+    from omni_transformers.qwen2_5_omni.token2wav import WavWriter
 
     target = tmp_path / "out" / "speech.wav"
     writer = WavWriter(str(target), 24000)

@@ -17,8 +17,8 @@ from omni_core.errors import StageError
 from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
-from omni_transformers.processor import Processor
-from omni_transformers.token2wav import (
+from omni_transformers.qwen2_5_omni.processor import Processor
+from omni_transformers.qwen2_5_omni.token2wav import (
     BATCHED_MAX_RELATIVE_ERROR,
     STREAM_MAX_RELATIVE_ERROR,
     STREAM_MIN_CORRELATION,
@@ -107,8 +107,9 @@ async def collect(p: Pipeline, inputs: dict) -> tuple[list, dict]:
 @pytest.fixture(scope="module")
 def unchunked(tiny_model):
     """``unchunked(codes, seed)``: token2wav's synthesis of the codes in one piece (its noise from ``seed``)."""
-    from omni_transformers.models import make_generator, speaker_params
-    from omni_transformers.token2wav import Token2Wav
+    from omni_transformers.kit.sampling import make_generator
+    from omni_transformers.qwen2_5_omni.parts import speaker_params
+    from omni_transformers.qwen2_5_omni.token2wav import Token2Wav
 
     stage = Token2Wav(str(tiny_model))
     speaker = speaker_params(stage.speakers, "Chelsie")

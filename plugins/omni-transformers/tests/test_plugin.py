@@ -88,7 +88,7 @@ def test_tiny_is_a_module_with_a_command_line(tmp_path):
 def test_each_part_loads_alone_from_the_whole_checkpoint(tiny_model):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from omni_transformers.models import load_part
+    from omni_transformers.qwen2_5_omni.parts import load_part
 
     whole = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_model)
     for part in ("thinker", "talker", "token2wav"):
@@ -99,7 +99,7 @@ def test_each_part_loads_alone_from_the_whole_checkpoint(tiny_model):
 
 
 def test_a_missing_checkpoint_says_what_to_do(monkeypatch, tmp_path):
-    from omni_transformers.models import resolve_model_path
+    from omni_transformers.kit.sampling import resolve_model_path
 
     monkeypatch.delenv("OMNI_TRANSFORMERS_MODEL", raising=False)
     with pytest.raises(ValueError, match="OMNI_TRANSFORMERS_MODEL"):
@@ -109,7 +109,7 @@ def test_a_missing_checkpoint_says_what_to_do(monkeypatch, tmp_path):
 
 
 def test_the_sampler_draws_from_its_own_generator_like_the_global_rng():
-    from omni_transformers.models import Sampler, make_generator
+    from omni_transformers.kit.sampling import Sampler, make_generator
 
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5))
     seq = torch.tensor([[1, 2, 3]])
@@ -124,7 +124,7 @@ def test_the_sampler_draws_from_its_own_generator_like_the_global_rng():
 def test_incremental_text_never_splits_a_character(tiny_model):
     from transformers import AutoTokenizer
 
-    from omni_transformers.models import TextDecoder
+    from omni_transformers.kit.sampling import TextDecoder
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     decoder = TextDecoder(tok)

@@ -17,7 +17,7 @@ from omni_core.metrics import collect as collect_metrics
 from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
-from omni_transformers.token2wav import BATCHED_MAX_RELATIVE_ERROR, stream_error
+from omni_transformers.qwen2_5_omni.token2wav import BATCHED_MAX_RELATIVE_ERROR, stream_error
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -182,7 +182,7 @@ class Ctx:
 
 
 def test_in_process_thinker_rows_equal_alone_greedy_and_sampled_and_the_loop_is_left_empty(tiny_model):
-    from omni_transformers.thinker import Thinker
+    from omni_transformers.qwen2_5_omni.thinker import Thinker
 
     greedy = Thinker(str(tiny_model), speech=False)
     sampled = Thinker(str(tiny_model), speech=False, do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
@@ -203,7 +203,7 @@ def test_in_process_thinker_rows_equal_alone_greedy_and_sampled_and_the_loop_is_
 
 
 def test_in_process_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode_every_step(tiny_model):
-    from omni_transformers.thinker import Thinker
+    from omni_transformers.qwen2_5_omni.thinker import Thinker
 
     stage = Thinker(str(tiny_model), speech=False, max_prefill_tokens=8, eos_token_id=[])
     whole = Thinker(str(tiny_model), speech=False, max_prefill_tokens=None, eos_token_id=[])

@@ -13,7 +13,7 @@ from omni_core import Pipeline, load_config
 from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
-from omni_transformers.token2wav import (
+from omni_transformers.qwen2_5_omni.token2wav import (
     BATCHED_MAX_RELATIVE_ERROR,
     STREAM_MAX_RELATIVE_ERROR,
     STREAM_MIN_CORRELATION,

@@ -7,8 +7,8 @@ import asyncio
 
 import torch
 
-from omni_transformers.common import USAGE_KEYS
-from omni_transformers.talker import _ThinkerStream
+from omni_transformers.kit.streams import USAGE_KEYS
+from omni_transformers.qwen2_5_omni.talker import _ThinkerStream
 
 USAGE = {"prompt_tokens": 31, "completion_tokens": 2, "finish_reason": "length"}
 

@@ -26,7 +26,7 @@ def check_model(args: Mapping[str, Any], *, env: Mapping[str, str]) -> Iterator[
         where = MODEL_ENV
         if not model:
             yield ConfigIssue("model", f"no checkpoint: the stage has no model argument and {MODEL_ENV} is not set",
-                              f"set {MODEL_ENV}=DIR or args.model to a local Qwen2.5-Omni checkpoint folder; {_TINY}")
+                              f"set {MODEL_ENV}=DIR or args.model to a local checkpoint folder; {_TINY}")
             return
     if not isinstance(model, (str, os.PathLike)):
         yield ConfigIssue("model", f"model must be a folder path, got {model!r}", "give a local checkpoint folder")
@@ -34,7 +34,7 @@ def check_model(args: Mapping[str, Any], *, env: Mapping[str, str]) -> Iterator[
     path = Path(model).expanduser()
     if not path.is_dir():
         yield ConfigIssue("model", f"{where}={str(model)!r}: no such folder",
-                          f"give a local Qwen2.5-Omni checkpoint folder (this plugin never downloads); {_TINY}")
+                          f"give a local checkpoint folder (this plugin never downloads); {_TINY}")
     elif not (path / "config.json").is_file():
         yield ConfigIssue("model", f"{where}={str(model)!r} is not a checkpoint folder (no config.json in it)",
                           "give the folder save_pretrained wrote (config.json beside the weights)")

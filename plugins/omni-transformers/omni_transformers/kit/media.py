@@ -1,5 +1,5 @@
 """Decoding a request's audio and images: files (paths), encoded bytes or tensors → what
-Qwen2.5-Omni's feature extractor and image processor take (16 kHz mono float32, RGB images).
+a family's feature extractor and image processor take (16 kHz mono float32, RGB images).
 
 Every error names the part it is about (``messages[1].content[0] (audio)``) and says what was
 expected, so one bad part fails its request with a message the caller can act on. Every one is a
@@ -21,7 +21,7 @@ import numpy as np
 from omni_core.errors import InvalidInput
 from omni_core.files import local_path
 
-#: Image sides whose ratio is larger than this are refused (the Qwen2-VL image processor's limit).
+#: Image sides whose ratio is larger than this are refused (the limit of the image processors transformers ships).
 MAX_ASPECT_RATIO = 200
 
 

@@ -1,4 +1,4 @@
-"""The encoder stages: Qwen2.5-Omni's own audio tower and vision tower, micro-batched across requests.
+"""Qwen2.5-Omni's encoder stages: its own audio tower and vision tower, micro-batched across requests.
 
 Each takes what the processor prepared for it and returns the embeddings the thinker splices in
 at the prompt's placeholders:
@@ -16,12 +16,11 @@ on its neighbours in a batch.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import torch
-from omni_core.batching import MicroBatcher
 
-from .models import resolve_model_path, torch_dtype
+from ..kit.encoders import Encoder, carry_route, tensor_input
+from ..kit.sampling import resolve_model_path, torch_dtype
 
 # (class, the thinker config's attribute, the checkpoint key prefix of the tower)
 _TOWERS = {
@@ -54,41 +53,13 @@ def load_tower(model: str | None, kind: str, *, dtype: str | None = "auto", devi
     return module.to(device).eval()
 
 
-def _tensor(value: Any, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{what} must be a tensor, got {type(value).__name__}")
-    return value
-
-
-def _carry_route(payload: dict, out: dict) -> dict:
-    """The encoders' result carries the request's ``return_audio`` on: their route function sends
-    a text-only request's embeddings to the text-only thinker."""
-    if "return_audio" in payload:
-        out["return_audio"] = payload["return_audio"]
-    return out
-
-
-class _Encoder:
-    """What both encoders share: the tower, and a micro-batcher over the subclass's ``forward``."""
-
-    kind = ""
-
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
-                 max_batch_size: int = 16, max_wait: float = 0.002, stage_name: str | None = None):
-        self.device = torch.device(device)
-        self.tower = load_tower(model, self.kind, dtype=dtype, device=device)
-        self.dtype = next(self.tower.parameters()).dtype
-        self.batcher = MicroBatcher(self.forward, max_batch_size=max_batch_size, max_wait=max_wait,
-                                    name=stage_name or f"{self.kind}_encoder")
-
-    async def close(self) -> None:
-        await self.batcher.close()
-
-
-class AudioEncoder(_Encoder):
+class AudioEncoder(Encoder):
     """The audio tower (``Qwen2_5OmniAudioEncoder``), as the thinker's ``get_audio_features`` runs it."""
 
     kind = "audio"
+
+    def load_tower(self, model, *, dtype, device):
+        return load_tower(model, "audio", dtype=dtype, device=device)
 
     def forward(self, items: list[tuple[list[torch.Tensor], list[int]]]) -> list[torch.Tensor]:
         features = [f for feats, _ in items for f in feats]
@@ -112,17 +83,20 @@ class AudioEncoder(_Encoder):
                              "and 'audio_seqlens' (their frame counts), as the processor makes them")
         mel = self.tower.config.num_mel_bins
         for i, (f, n) in enumerate(zip(feats, lens, strict=True)):
-            f = _tensor(f, f"audio_features[{i}]")
+            f = tensor_input(f, f"audio_features[{i}]")
             if f.dim() != 2 or f.shape[0] != mel or f.shape[1] != n:
                 raise ValueError(f"audio_features[{i}] must be [{mel}, {n}], got {list(f.shape)}")
         out = {"audio_embeds": await self.batcher.submit((feats, [int(n) for n in lens]))}
-        return _carry_route(payload, out)
+        return carry_route(payload, out)
 
 
-class VisionEncoder(_Encoder):
+class VisionEncoder(Encoder):
     """The vision tower (``Qwen2_5OmniVisionEncoder``), as the thinker's ``get_image_features`` runs it."""
 
     kind = "vision"
+
+    def load_tower(self, model, *, dtype, device):
+        return load_tower(model, "vision", dtype=dtype, device=device)
 
     def forward(self, items: list[tuple[torch.Tensor, list[list[int]]]]) -> list[torch.Tensor]:
         grids = [g for _, grid in items for g in grid]
@@ -135,7 +109,7 @@ class VisionEncoder(_Encoder):
         return list(torch.split(out, sizes))
 
     async def __call__(self, payload: dict, ctx) -> dict:
-        pixels = _tensor(payload.get("pixel_values"), "the vision encoder's 'pixel_values'")
+        pixels = tensor_input(payload.get("pixel_values"), "the vision encoder's 'pixel_values'")
         grid = payload.get("image_grid_thw")
         if not isinstance(grid, list) or not grid or not all(isinstance(g, list) and len(g) == 3 for g in grid):
             raise ValueError("the vision encoder's payload needs 'image_grid_thw', a list of [t, h, w]")
@@ -144,4 +118,4 @@ class VisionEncoder(_Encoder):
             raise ValueError(f"pixel_values must be [{patches}, patch size] for image_grid_thw {grid}, "
                              f"got {list(pixels.shape)}")
         out = {"image_embeds": await self.batcher.submit((pixels, grid))}
-        return _carry_route(payload, out)
+        return carry_route(payload, out)

@@ -1,4 +1,4 @@
-"""The thinker's prompt as model inputs: token ids, input embeddings and M-RoPE positions.
+"""Qwen2.5-Omni's thinker prompt as model inputs: token ids, input embeddings and M-RoPE positions.
 
 The thinker builds its prefill only through :func:`prefill_inputs`, so what a prompt holds (text
 alone, or audio and image features spliced into the text embeddings) is decided here, once.
@@ -8,32 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 
-
-@attrs.frozen
-class PrefillInputs:
-    """One request's prompt, ready for the thinker's forward.
-
-    ``input_ids``: the prompt's token ids (L of them). ``inputs_embeds``: [L, H] text embeddings
-    (with audio/image features spliced in where the prompt has their placeholders).
-    ``position_ids``: [4, L], the text axis then the three M-RoPE axes (all ``arange(L)`` for
-    text alone). ``rope_delta``: decode step k of the reply (k = 0 for the first fed token) sits
-    at position ``L + k + rope_delta`` on every axis (0 for text alone). ``media_mask``: [L] bool,
-    true at the audio/image placeholders (None for text alone): ``generate`` zeroes the input
-    embeddings there in the prompt it hands the talker.
-    """
-
-    input_ids: list[int]
-    inputs_embeds: torch.Tensor
-    position_ids: torch.Tensor
-    rope_delta: int = 0
-    media_mask: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.input_ids)
+from ..kit.thinker import PrefillInputs
 
 
 def prefill_inputs(thinker_model: Any, payload: dict, device: str | torch.device) -> PrefillInputs:

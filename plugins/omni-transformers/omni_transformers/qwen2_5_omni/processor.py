@@ -10,9 +10,9 @@ from typing import Any
 from omni_core.errors import InvalidInput
 from omni_core.files import local_path
 
+from ..kit.media import MediaError, load_audio, load_image
+from ..kit.sampling import resolve_model_path
 from .common import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, request_seed
-from .media import MediaError, load_audio, load_image
-from .models import resolve_model_path
 
 # The special tokens Qwen2_5OmniProcessor reads off the tokenizer, with the real checkpoint's strings
 # for tokenizers that do not name them.

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
-from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
+from ..kit.batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
+from ..kit.sampling import Sampler, make_generator, resolve_model_path
 from .common import USAGE_KEYS, StreamProgress, request_seed
-from .models import Sampler, load_part, make_generator, resolve_model_path
+from .parts import load_part
 
 
 class TalkerRow:

@@ -1,4 +1,4 @@
-"""Write a tiny random Qwen2.5-Omni checkpoint: ``python -m omni_transformers.tiny DIR``.
+"""Write a tiny random Qwen2.5-Omni checkpoint (``python -m omni_transformers.tiny DIR``).
 
 The checkpoint has the real model's layout (thinker, talker, token2wav in one
 ``Qwen2_5OmniForConditionalGeneration``, a tokenizer, ``spk_dict.pt`` with the speaker
@@ -8,9 +8,7 @@ are random (seeded), so its text and speech are noise: it exists for tests, CI a
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 # Token ids of the tiny vocabulary: 256 byte tokens first, then the special tokens.
@@ -230,17 +228,3 @@ def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
     torch.save(tiny_speakers(config, seed), path / "spk_dict.pt")
     (path / "omni_transformers.json").write_text(json.dumps({"sample_rate": SAMPLE_RATE, "tiny": True}) + "\n")
     return path
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omni_transformers.tiny", description=__doc__.splitlines()[0])
-    parser.add_argument("dir", help="folder to write the checkpoint to")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    args = parser.parse_args(argv)
-    path = write_tiny_checkpoint(args.dir, seed=args.seed)
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

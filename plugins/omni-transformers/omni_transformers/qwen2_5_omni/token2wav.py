@@ -29,15 +29,9 @@ import attrs
 import torch
 from omni_core.batching import MicroBatcher
 
+from ..kit.sampling import make_generator, resolve_model_path, torch_dtype
 from .common import DEFAULT_SPEAKER, USAGE_KEYS, StreamProgress, request_seed, sample_rate_of
-from .models import (
-    load_part,
-    load_speakers,
-    make_generator,
-    resolve_model_path,
-    speaker_params,
-    torch_dtype,
-)
+from .parts import load_part, load_speakers, speaker_params
 
 
 def vocoder_receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, limit: int = 1024) -> int:
