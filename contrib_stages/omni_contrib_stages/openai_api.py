@@ -567,7 +567,7 @@ def make_routes(api: Any) -> list[Any]:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from omni_core.serve import ClientGone, EventStream, describe
+    from omni_core.serve import ClientGone, EventStream, HTTPError, describe, log_error, parse_json
 
     model = api.pipeline_name
     opts = adapter_options(api.options, api.pipeline.config)
@@ -607,22 +607,15 @@ def make_routes(api: Any) -> list[Any]:
         failure (5xx) at error with its traceback (the stage's, or this process's)."""
         err = describe(exc)
         where = f" (stage {err.stage!r})" if err.stage else ""
+        param = client_param(err.field)
         body = {
             "message": f"{err.type}{where}: {err.message}",
             "type": _ERROR_TYPES.get(err.status, "server_error"),
-            "param": getattr(err, "param", None) or client_param(getattr(exc, "field", None)),
+            "param": param,
             "code": err.type,
         }
-        fields = {"status": err.status, "type": err.type, "stage": err.stage,
-                  "message": err.message.splitlines()[0] if err.message else ""}
-        if err.status >= 500:
-            tb = getattr(exc, "traceback", None)
-            if tb:
-                log.error("chat request failed", traceback=tb, **fields)
-            else:
-                log.error("chat request failed", exc_info=exc, **fields)
-        else:
-            log.warning("chat request refused", **fields)
+        log_error(log, "chat request failed" if err.status >= 500 else "chat request refused", err, exc,
+                  **({"param": param} if param else {}))
         return err.status, body, err.headers
 
     def text_of(chunk: Any) -> str | None:
@@ -673,11 +666,9 @@ def make_routes(api: Any) -> list[Any]:
     async def chat_completions(request):
         try:
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"the body is not valid JSON: {exc}") from None
-            except RecursionError:
-                raise BadRequest("the body is nested too deeply") from None
+                body = parse_json(await request.body())
+            except HTTPError as exc:  # not JSON, or nested too deeply
+                raise BadRequest(exc.message) from None
             req = parse_request(body, model, opts)
             req["include_usage"] = include_usage(body.get("stream_options"), req["stream"])
         except BadRequest as exc:

@@ -6,6 +6,9 @@ non-streamed answer, the 413 in OpenAI's shape."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -195,3 +198,107 @@ def test_a_deeply_nested_body_is_a_400_in_openais_shape(server):
                    timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def logged(server, **fields) -> dict:
+    """The server's first JSON log record with ``fields``, once it is written."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for line in server.output().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and all(record.get(k) == v for k, v in fields.items()):
+                return record
+        time.sleep(0.05)
+    raise AssertionError(f"no log record with {fields}:\n{server.output()[-3000:]}")
+
+
+def test_a_refused_request_is_logged_at_warning(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=HELLO, max_tokens=3, top_p=0.25)
+    record = logged(server, param="top_p", event="chat request refused")
+    assert record["level"] == "warning" and record["status"] == 400
+
+
+ECHO = """
+name: echo
+stages:
+  - name: echo
+    factory: openai_stages:Echo
+    terminal: true
+serve:
+  apis: [openai]
+  options:
+    openai:
+      max_tokens_key: max_tokens
+      text_joiner: ""
+      max_tokens_limit: 100
+      sampling: {temperature: temp, top_p: top_p, top_k: top_k, seed: seed, stop: stop, presence_penalty: presence,
+                 frequency_penalty: frequency}
+"""
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """A pipeline that maps every sampling parameter and answers with the inputs it got."""
+    from pathlib import Path
+
+    tmp = tmp_path_factory.mktemp("echo")
+    (tmp / "echo.yaml").write_text(ECHO)
+    with ServerProcess(str(tmp / "echo.yaml"), env={"PYTHONPATH": str(Path(__file__).parent)}, cwd=str(tmp),
+                       ready_timeout=300).serving() as srv:
+        yield srv
+
+
+@pytest.fixture
+def echo_client(echo, posts):
+    def count(request: httpx.Request) -> None:
+        if request.method == "POST":
+            posts.append(request.url.path)
+
+    with httpx.Client(event_hooks={"request": [count]}, timeout=60) as http, openai.OpenAI(
+        base_url=f"{echo.url}/v1", api_key="unused", http_client=http
+    ) as c:
+        yield c
+
+
+def test_mapped_sampling_parameters_reach_the_pipeline_under_its_keys(echo_client):
+    done = echo_client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0.25, top_p=0.5,
+        seed=42, stop="never", presence_penalty=0.5, frequency_penalty=-0.5, extra_body={"top_k": 3})
+    assert json.loads(done.choices[0].message.content) == {
+        "text": "hi", "max_tokens": 9, "temp": 0.25, "top_p": 0.5, "top_k": 3, "seed": 42, "stop": ["never"],
+        "presence": 0.5, "frequency": -0.5}
+    streamed = "".join(c.choices[0].delta.content or "" for c in echo_client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}], temperature=0.25, stream=True) if c.choices)
+    assert json.loads(streamed) == {"text": "hi", "temp": 0.25}
+
+
+def test_each_of_n_choices_gets_seed_plus_its_index(echo_client):
+    for seed, want in [(7, [7, 8, 9]), (None, [None, 1, 2]), (2**63 - 1, [2**63 - 1, -(2**63), -(2**63) + 1])]:
+        done = echo_client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
+                                                   n=3, seed=seed)
+        assert [json.loads(c.message.content).get("seed") for c in done.choices] == want
+
+
+def test_a_stage_refusing_an_input_is_a_400_naming_the_clients_parameter(echo, echo_client, posts):
+    with pytest.raises(openai.BadRequestError) as caught:
+        echo_client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "invalid"}],
+                                            temperature=1.9)
+    assert caught.value.body["param"] == "temperature" and "below 1.5" in caught.value.body["message"]
+    assert posts == ["/v1/chat/completions"]
+    record = logged(echo, event="chat request refused", param="temperature")
+    assert record["level"] == "warning"
+
+
+def test_a_stage_bug_is_a_500_logged_at_error_with_its_traceback(echo, echo_client):
+    with pytest.raises(openai.InternalServerError) as caught:
+        echo_client.with_options(max_retries=0).chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "crash"}])
+    assert caught.value.body["type"] == "server_error" and "crashed on purpose" in caught.value.body["message"]
+    record = logged(echo, event="chat request failed")
+    assert record["level"] == "error" and "crashed on purpose" in record["traceback"]
+    # The server goes on.
+    assert echo_client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "ok"}]).choices
