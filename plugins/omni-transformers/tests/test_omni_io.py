@@ -113,9 +113,9 @@ def wav_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
     ({"image": torch.zeros(8, 8, dtype=torch.uint8)}, "image", "H x W x 3"),
     ({"image": torch.zeros(1, 300, 3, dtype=torch.uint8)}, "image", "ratio"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "audio", "audio": 3}]}]},
-     "messages[1].content[1] (audio)", "file path"),
+     "messages[0].content[1] (audio)", "file path"),  # the caller's index: the system prompt is not counted
     ({"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]},
-     "messages[1].content[0]", "videos are not supported"),
+     "messages[0].content[0]", "videos are not supported"),
 ])
 def test_bad_media_is_a_clear_error_naming_the_part(processor, inputs, where, words):
     with pytest.raises(ValueError) as info:

@@ -141,13 +141,16 @@ class Processor:
             messages = [{"role": "system", "content": system}, *messages]
         return messages
 
-    def media_of(self, messages: list[dict], origin=None) -> tuple[list[dict], list, list]:
+    def media_of(self, messages: list[dict], origin=None, inserted: int = 0) -> tuple[list[dict], list, list]:
         """The messages as the chat template sees them (media values left out), and the decoded
         audios (16 kHz mono float32) and images (RGB), each in the order it appears. ``origin``:
-        the request's context, for the local-file rule (:func:`omni_core.files.local_path`)."""
+        the request's context, for the local-file rule (:func:`omni_core.files.local_path`);
+        ``inserted``: messages put before the caller's (the system prompt), left out of the
+        indices errors name, so they count the caller's messages."""
         fe = self.mm.feature_extractor if self._has_media(messages) else None
         shown, audios, images = [], [], []
-        for i, message in enumerate(messages):
+        for k, message in enumerate(messages):
+            i = k - inserted
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
                 raise InvalidInput(f"messages[{i}] must be an object with 'role' (a string) and 'content'",
                                    field=f"messages[{i}]")
@@ -197,7 +200,9 @@ class Processor:
 
     def model_inputs(self, payload: dict, origin=None) -> dict[str, Any]:
         messages = self.messages_of(payload)
-        shown, audios, images = self.media_of(messages, origin)
+        given = payload.get("messages")
+        inserted = len(messages) - len(given) if isinstance(given, list) else 0
+        shown, audios, images = self.media_of(messages, origin, inserted)
         text = self.render(shown)
         if not audios and not images:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
