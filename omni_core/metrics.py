@@ -68,6 +68,7 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "omni_stream_chunks_total": ("counter", "Chunks a stage emitted.", ("stage",)),
     "omni_relay_bytes_total": ("counter", "Tensor bytes put through a relay, by sending and receiving process.", ("relay", "src", "dst")),
     "omni_process_restarts_total": ("counter", "Times a stage process was restarted.", ("process",)),
+    "omni_request_retries_total": ("counter", "Requests run again after their process died or hung (retry), by error.", ("pipeline", "error")),
 }
 
 #: Gauges the stage processes count: a dead process's last value is not summed.
@@ -327,6 +328,10 @@ def collect(pipeline: Any, *, caller: Store | None = None, exports: list[dict[st
     snap = merge([*live_exports(pipeline, exports), *([caller.snapshot()] if caller is not None else [])])
     if restart_counts:
         snap["values"]["omni_process_restarts_total"] = [[[name], float(n)] for name, n in sorted(restart_counts.items())]
+    retries = getattr(pipeline, "retries", None)
+    if isinstance(retries, dict) and retries:
+        name = pipeline.config.name
+        snap["values"]["omni_request_retries_total"] = [[[name, error], float(n)] for error, n in sorted(retries.items())]
     return snap
 
 

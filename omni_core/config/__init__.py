@@ -9,6 +9,7 @@ from .schema import (
     PlacementConfig,
     RelayConfig,
     RestartConfig,
+    RetryConfig,
     ServeConfig,
     StageConfig,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "PlacementConfig",
     "RelayConfig",
     "RestartConfig",
+    "RetryConfig",
     "ServeConfig",
     "StageConfig",
     "collect_issues",

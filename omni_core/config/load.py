@@ -34,6 +34,7 @@ from .schema import (
     PlacementConfig,
     RelayConfig,
     RestartConfig,
+    RetryConfig,
     ServeConfig,
     StageConfig,
 )
@@ -235,6 +236,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(RelayConfig, _section(conv, RelayConfig, "relay", shorthand="backend"))
     conv.register_structure_hook(LauncherConfig, _section(conv, LauncherConfig, "launcher", shorthand="name"))
     conv.register_structure_hook(RestartConfig, _section(conv, RestartConfig, "restart", shorthand="policy"))
+    conv.register_structure_hook(RetryConfig, _section(conv, RetryConfig, "attempts, on"))
     conv.register_structure_hook(PlacementConfig, _section(conv, PlacementConfig, "strategy, gpus, ..."))
     conv.register_structure_hook(EndpointsConfig, _section(conv, EndpointsConfig, "ipc_dir, host, port_range"))
     conv.register_structure_hook(LimitsConfig, _section(conv, LimitsConfig, "max_in_flight, timeouts, ..."))

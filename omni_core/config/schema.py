@@ -83,6 +83,20 @@ class RestartConfig:
     max_restarts: int = attrs.field(default=3, metadata=NON_NEGATIVE)
 
 
+#: The errors a request may be retried after: its process died or hung (it is restarted).
+RETRYABLE_ERRORS = ("ProcessDied", "ProcessHung")
+
+
+@attrs.frozen(kw_only=True)
+class RetryConfig:
+    """Whether a request whose attempt failed with one of the errors ``on`` is run again (with
+    the same request id and inputs) once its process group is back: ``attempts`` is how many
+    times it may run in all (1, the default: never again)."""
+
+    attempts: int = attrs.field(default=1, metadata=POSITIVE)
+    on: tuple[Literal["ProcessDied", "ProcessHung"], ...] = RETRYABLE_ERRORS
+
+
 @attrs.frozen(kw_only=True)
 class ServeConfig:
     """How ``omni serve`` serves the pipeline (ignored by ``omni run`` and the library)."""
@@ -149,6 +163,7 @@ class PipelineConfig:
     endpoints: EndpointsConfig = attrs.field(factory=EndpointsConfig)
     limits: LimitsConfig = attrs.field(factory=LimitsConfig)
     restart: RestartConfig = attrs.field(factory=RestartConfig)
+    retry: RetryConfig = attrs.field(factory=RetryConfig)
     allow_cycles: bool = False
     allow_pickle: bool = False
     serve: ServeConfig = attrs.field(factory=ServeConfig)

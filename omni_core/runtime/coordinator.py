@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any
 
 from .. import tracing
-from ..config.schema import PipelineConfig
+from ..config.schema import RETRYABLE_ERRORS, PipelineConfig, RetryConfig
 from ..errors import (
     InvalidInput,
     OmniError,
@@ -67,6 +67,9 @@ class Coordinator:
         self._behind: set[str] = set()  # processes that may remember ended requests
         self._deadlines: dict[int, float] = {}  # rid -> loop time its request times out
         self._timer: asyncio.TimerHandle | None = None  # at the oldest request's deadline
+        #: requests run again after a process death, by the error of the failed attempt
+        self.retries: dict[str, int] = {}
+        self._resends: set[asyncio.Task] = set()  # retried attempts waiting to be sent
         endpoint.on_data(self)
         endpoint.on(wire.Failed, self._on_failed)
         endpoint.on(wire.Dropped, self._on_dropped)
@@ -93,7 +96,9 @@ class Coordinator:
 
     # -- admission -------------------------------------------------------------------------------
 
-    async def _admit(self, inputs: Any, request_id: str | None, streaming: bool) -> Request:
+    async def _admit(self, inputs: Any, request_id: str | None, streaming: bool,
+                     retry: RetryConfig | Mapping[str, Any] | int | None = None, from_network: bool = False) -> Request:
+        policy = self.config.retry if retry is None else retry_config(retry, self.config.retry)
         lifecycle = self.lifecycle
         if lifecycle.state == "restarting":
             await lifecycle.wait_running(self.config.limits.request_timeout)
@@ -118,6 +123,9 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         req = Request(rid, request_id, loop.create_future(), expected, multi=len(expected) > 1,
                       events=asyncio.Queue() if streaming else None)
+        if policy.attempts > 1:  # what a retry sends again
+            req.attempts, req.retry_on, req.inputs = policy.attempts, policy.on, inputs
+            req.from_network, req.terminals = from_network, frozenset(expected)
         self.requests[rid] = req
         self.by_id[request_id] = rid
         timeout = self.config.limits.request_timeout
@@ -179,8 +187,9 @@ class Coordinator:
 
     # -- the caller's API ------------------------------------------------------------------------
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False) -> Any:
-        req = await self._admit(inputs, request_id, streaming=False)
+    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False,
+                     retry: RetryConfig | Mapping[str, Any] | int | None = None) -> Any:
+        req = await self._admit(inputs, request_id, streaming=False, retry=retry, from_network=from_network)
         try:
             await self._send_inputs(req, inputs, from_network)
             return await req.future
@@ -196,9 +205,9 @@ class Coordinator:
             _retrieved(req)
             raise
 
-    async def stream(self, inputs: Any, *, request_id: str | None = None,
-                     from_network: bool = False) -> AsyncGenerator[Event, None]:
-        req = await self._admit(inputs, request_id, streaming=True)
+    async def stream(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False,
+                     retry: RetryConfig | Mapping[str, Any] | int | None = None) -> AsyncGenerator[Event, None]:
+        req = await self._admit(inputs, request_id, streaming=True, retry=retry, from_network=from_network)
         try:
             try:
                 await self._send_inputs(req, inputs, from_network)
@@ -376,8 +385,67 @@ class Coordinator:
         each request is: the stages known done with it no longer count); returns how many."""
         hit = [req for rid, req in self.requests.items() if self.processes_of(rid, req.past) & processes]
         for req in hit:
-            self.finish(req, error=error(req))
+            exc = error(req)
+            if self._retryable(req, exc):
+                self._retry(req, exc)
+            else:
+                self.finish(req, error=exc)
         return len(hit)
+
+    # -- retries -----------------------------------------------------------------------------------
+
+    def _retryable(self, req: Request, exc: BaseException) -> bool:
+        """Whether ``req`` runs again after ``exc``: its policy allows another attempt after
+        this error, the pipeline restarts its processes, and (a stream) no chunk reached the
+        caller yet: a stream is retried only before its first chunk."""
+        return (req.attempt < req.attempts and type(exc).__name__ in req.retry_on
+                and self.config.restart.policy == "on-failure"
+                and not (req.events is not None and req.heard))
+
+    def _retry(self, req: Request, exc: BaseException) -> None:
+        """End ``req``'s failed attempt everywhere (as a failure ends a request) and start the
+        next under a new rid, sent once the pipeline runs again; the caller waits on."""
+        old = req.rid
+        del self.requests[old]
+        self.endpoint.forget(old)
+        self._deadlines.pop(old, None)
+        rid = self._next_rid
+        self._next_rid += 1
+        req.again(rid)
+        self.requests[rid] = req
+        self.by_id[req.request_id] = rid
+        loop = asyncio.get_running_loop()
+        timeout = self.config.limits.request_timeout
+        if timeout:  # each attempt has the whole timeout (deadlines stay in rid order)
+            self._deadlines[rid] = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadlines[rid], self._on_deadline)
+        self._tell(wire.Abort(old, self.floor))
+        self._behind = set(self._processes)
+        self.retries[type(exc).__name__] = self.retries.get(type(exc).__name__, 0) + 1
+        self.log.warning("request retried", request_id=req.request_id, error=type(exc).__name__,
+                         attempt=req.attempt, attempts=req.attempts,
+                         process=getattr(exc, "process", None))
+        task = loop.create_task(self._resend(req, rid, exc))
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, req: Request, rid: int, exc: BaseException) -> None:
+        """Send the retried attempt ``rid`` of ``req`` once its process group is back (the
+        first error stands when the pipeline stops instead)."""
+        await self.lifecycle.wait_running(self.config.limits.request_timeout)
+        if self.requests.get(rid) is not req:
+            return  # ended meanwhile (aborted, timed out, failed again, the pipeline stopped)
+        if self.lifecycle.state != "running":
+            self.finish(req, error=exc)
+            return
+        try:
+            await self._send_inputs(req, req.inputs, req.from_network)
+        except Exception as send_exc:
+            if self.requests.get(rid) is req:
+                self.finish(req, error=send_exc if isinstance(send_exc, OmniError) else StageError(
+                    f"cannot send the inputs: {send_exc}", stage=self.config.entry, request_id=req.request_id,
+                    error_type=type(send_exc).__name__))
 
     def abort_all(self, reason: BaseException | None) -> None:
         """The pipeline stopped: every request still in flight is aborted (``reason``: why,
@@ -410,6 +478,27 @@ class Coordinator:
 
     def state(self) -> dict[str, int]:
         return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.endpoint.ordered)}
+
+
+def retry_config(value: RetryConfig | Mapping[str, Any] | int, default: RetryConfig) -> RetryConfig:
+    """A request's own retry policy: a ``RetryConfig``, a mapping of its fields (``{"attempts":
+    3, "on": ["ProcessDied"]}``; ``on`` defaults to the pipeline's) or a number of attempts."""
+    if isinstance(value, RetryConfig):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"attempts": value}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"retry must be a number of attempts or a mapping with attempts and on, got {type(value).__name__}")
+    unknown = set(value) - {"attempts", "on"}
+    if unknown:
+        raise ValueError(f"retry: unknown key(s) {', '.join(sorted(map(str, unknown)))} (allowed: attempts, on)")
+    attempts = value.get("attempts", default.attempts)
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+        raise ValueError(f"retry.attempts must be an integer of 1 or more, got {attempts!r}")
+    on = value.get("on", default.on)
+    if isinstance(on, str) or not all(name in RETRYABLE_ERRORS for name in on):
+        raise ValueError(f"retry.on must be a list of {', '.join(RETRYABLE_ERRORS)}, got {on!r}")
+    return RetryConfig(attempts=attempts, on=tuple(on))
 
 
 def _retrieved(req: Request) -> None:

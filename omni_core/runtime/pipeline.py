@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
-from ..config import PipelineConfig, load_config
+from ..config import PipelineConfig, RetryConfig, load_config
 from ..config.validate import stage_arg_check_issues
 from ..errors import ConfigError
 from ..logs import get_logger
@@ -120,6 +120,11 @@ class Pipeline:
         """Process group restarts so far in this run."""
         return self.runner.restarts
 
+    @property
+    def retries(self) -> dict[str, int]:
+        """Requests run again so far in this run (``retry``), by the error of the failed attempt."""
+        return dict(self.coordinator.retries)
+
     def pids(self) -> dict[str, int | None]:
         """Process name → pid of every stage process."""
         return {name: h.pid for name, h in self.lifecycle.handles.items()}
@@ -138,21 +143,27 @@ class Pipeline:
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False) -> Any:
+    async def submit(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False,
+                     retry: RetryConfig | Mapping[str, Any] | int | None = None) -> Any:
         """Run one request and return its result (a dict of stage → result when several
         terminal stages answer). Raises ``StageError``, ``ProcessDied``, ``Overloaded``,
         ``RequestAborted``, ``RequestTimeout``. ``from_network``: the request came over the
         network (a server sets it): stages see ``ctx.from_network`` and refuse server paths in
-        it unless ``serve.allow_local_files`` allows them (:mod:`omni_core.files`)."""
-        return await self.coordinator.submit(inputs, request_id=request_id, from_network=from_network)
+        it unless ``serve.allow_local_files`` allows them (:mod:`omni_core.files`). ``retry``: this
+        request's own retry policy instead of the pipeline's ``retry`` (a number of attempts, or
+        ``{"attempts": N, "on": ["ProcessDied", "ProcessHung"]}``): an attempt that failed because
+        its process died or hung runs again, with the same request id and inputs, once the
+        process group is back; the caller sees one result."""
+        return await self.coordinator.submit(inputs, request_id=request_id, from_network=from_network, retry=retry)
 
-    def stream(self, inputs: Any, *, request_id: str | None = None,
-               from_network: bool = False) -> AsyncGenerator[Event, None]:
+    def stream(self, inputs: Any, *, request_id: str | None = None, from_network: bool = False,
+               retry: RetryConfig | Mapping[str, Any] | int | None = None) -> AsyncGenerator[Event, None]:
         """Run one request and yield ``Event``s: the chunks terminal stages emit, in order, as
         the caller reads them (a terminal stage waits while ``limits.stream_buffer`` chunks are
         unread), then the result (``event.is_result``). Leaving the loop early aborts it.
-        ``from_network``: as for :meth:`submit`."""
-        return self.coordinator.stream(inputs, request_id=request_id, from_network=from_network)
+        ``from_network``, ``retry``: as for :meth:`submit`; a stream is retried only before its
+        first chunk reached the caller (a chunk is never repeated or reordered)."""
+        return self.coordinator.stream(inputs, request_id=request_id, from_network=from_network, retry=retry)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight: every stage holding it is cancelled and its relay resources

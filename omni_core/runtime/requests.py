@@ -51,6 +51,27 @@ class Request:
     past: set[str] = attrs.Factory(set)
     #: stages the caller heard from (a chunk or a result)
     heard: set[str] = attrs.Factory(set)
+    #: retries: how many times the request may run (1: once), which errors it is run again
+    #: after, its attempt (1 for the first), and what the next attempt sends again
+    attempts: int = 1
+    retry_on: tuple[str, ...] = ()
+    attempt: int = 1
+    inputs: Any = None
+    from_network: bool = False
+    terminals: frozenset[str] = frozenset()
+
+    def again(self, rid: int) -> None:
+        """Start the next attempt under ``rid``: what the failed one gathered is forgotten."""
+        self.rid = rid
+        self.attempt += 1
+        self.expected = set(self.terminals)
+        self.results.clear()
+        self.dropped.clear()
+        self.dead.clear()
+        self.owed.clear()
+        self.past.clear()
+        self.heard.clear()
+        self.last_dropper = None
 
     @property
     def complete(self) -> bool:
