@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -17,6 +18,7 @@ def serve(
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds requests in flight may take to finish after SIGTERM/SIGINT.")] = 30.0,
     no_console: Annotated[bool, typer.Option("--no-console", help="Do not serve the console (the web page at GET / and its /console/* routes).")] = False,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N", help="Place stages on N of this machine's GPUs, as omni run --gpus (needs CUDA; 0: every stage on the CPU; `omni plan CONFIG --gpus N` shows the plan without them).")] = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a pipeline over HTTP: JSON and SSE requests, APIs from plugins, /metrics, and the
@@ -34,8 +36,11 @@ def serve(
     """
     from ..errors import ConfigError, OmniError
     from .importpath import add_config_import_paths
-    from .run import check_stage_args, prestart
+    from .run import _check_gpus, check_stage_args, prestart
 
+    _check_gpus(gpus)
+    if gpus == 0:  # every stage on the CPU: neither placement nor a stage process sees a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     add_config_import_paths(config)  # factories beside the config, or in the working directory
     try:
         check_stage_args(config)
@@ -53,7 +58,7 @@ def serve(
         err.print(f"omni serve: {config} on {url}", markup=False, highlight=False)
 
     try:
-        status = run(config, settings, announce=announce)
+        status = run(_on_gpus(config, gpus) if gpus else config, settings, announce=announce)
     except ConfigError as exc:
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -64,3 +69,14 @@ def serve(
         err.print(describe_error(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
     raise typer.Exit(status)
+
+
+def _on_gpus(config: str, gpus: int):
+    """The config with ``placement.gpus`` set to ``gpus``: what ``omni run --gpus`` gives the
+    pipeline (placement over that many GPUs instead of every GPU torch sees)."""
+    import attrs
+
+    from ..config import load_config
+
+    cfg = load_config(config)
+    return attrs.evolve(cfg, placement=attrs.evolve(cfg.placement, gpus=gpus))

@@ -55,6 +55,10 @@ def omni_register_pipelines(register):
              description="Qwen2.5-Omni: thinker in one process, talker + token2wav in another")
     register("qwen2_5_omni.split", "omni_transformers:pipelines/qwen2_5_omni_split.yaml",
              description="Qwen2.5-Omni: processor, thinker, talker and token2wav in a process each")
+    register("qwen2_5_omni.gpu", "omni_transformers:pipelines/qwen2_5_omni_gpu.yaml",
+             description="qwen2_5_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)")
+    register("qwen2_5_omni.split.gpu", "omni_transformers:pipelines/qwen2_5_omni_split_gpu.yaml",
+             description="qwen2_5_omni.split placed on the GPUs there are (spread)")
 
 
 @omni_core.hookimpl
