@@ -83,10 +83,10 @@ def local_path(origin: Any, value: Any, field: str, *, write: bool = False) -> P
     if not from_network(origin):
         return Path(os.path.expanduser(value))
     root = _root
-    verb = "written" if write else "read"
+    verb = "written to" if write else "read from"
     if root is None:
         raise _refused(field, value, f"names a file on the server, which requests over the network may not: files are "
-                                     f"not {verb} from server paths unless the operator sets serve.allow_local_files "
+                                     f"not {verb} server paths unless the operator sets serve.allow_local_files "
                                      "to a directory (send the content itself instead)")
     # Taken literally: "~", "%2e%2e" and "file:" are names inside the root like any other, never expanded or decoded.
     candidate = value if os.path.isabs(value) else os.path.join(root, value)

@@ -54,7 +54,10 @@ def _source(value: Any, where: str, origin: Any) -> Any:
     """What to decode ``value`` from: its bytes, or the server path the request may name."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return io.BytesIO(bytes(value))
-    return os.fspath(local_path(origin, value, where))
+    try:
+        return os.fspath(local_path(origin, value, where))
+    except InvalidInput as exc:  # a MediaError like the others, its field the part without "(audio)"
+        raise MediaError(str(exc)) from None
 
 
 def load_audio(value: Any, where: str, *, sample_rate: Any = None, target_rate: int = 16000,
