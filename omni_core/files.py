@@ -92,6 +92,6 @@ def local_path(origin: Any, value: Any, field: str, *, write: bool = False) -> P
     candidate = value if os.path.isabs(value) else os.path.join(root, value)
     resolved = os.path.realpath(candidate)
     if resolved == root or os.path.commonpath([root, resolved]) != root:
-        raise _refused(field, value, f"is not a file inside the directory this server lets requests name "
-                                     f"(serve.allow_local_files): give a path relative to it")
+        raise _refused(field, value, "is not a file inside the directory this server lets requests name "
+                                     "(serve.allow_local_files): give a path relative to it")
     return Path(resolved)

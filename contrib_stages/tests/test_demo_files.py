@@ -165,7 +165,7 @@ def test_each_client_mistake_is_a_400_after_one_post(sdk, body, field, words):
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/pipelines/demo/requests", body=body, cast_to=httpx.Response)
     assert posts == ["/v1/pipelines/demo/requests"]
-    error = caught.value.body["error"] if "error" in caught.value.body else caught.value.body
+    error = caught.value.body.get("error", caught.value.body)
     assert error["type"] == "InvalidInput" and error["stage"] == "preprocess" and error.get("field") == field
     assert words in error["message"]
 

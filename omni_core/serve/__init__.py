@@ -21,7 +21,17 @@ An API plugin's factory receives an :class:`ApiContext` and returns Starlette ro
 from __future__ import annotations
 
 from .app import build_app
-from .context import MAX_JSON_DEPTH, ApiContext, ClientGone, EventStream, ServeSettings, ServeState, parse_json, read_json, sse
+from .context import (
+    MAX_JSON_DEPTH,
+    ApiContext,
+    ClientGone,
+    EventStream,
+    ServeSettings,
+    ServeState,
+    parse_json,
+    read_json,
+    sse,
+)
 from .errors import HTTPError, describe, error_body, error_response, log_error, parts
 
 __all__ = [

@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn import functional as F
+
 from omni_core.errors import InvalidInput
 from omni_core.files import local_path
-from torch.nn import functional as F
 
 from .models import PATTERN, VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_pcm16
 
