@@ -46,3 +46,41 @@ def test_packed_tensors_are_freed_without_the_cyclic_collector():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def _nested(depth: int) -> list:
+    root: list = []
+    cur = root
+    for _ in range(depth):
+        cur.append([])
+        cur = cur[0]
+    return root
+
+
+@pytest.mark.parametrize(("value", "path", "reason"), [
+    ({"s": [1, {1, 2}]}, r"\['s'\]\[1\]", "a set would arrive as a list"),
+    ({"f": frozenset()}, r"\['f'\]", "a frozenset would arrive as a list"),
+    ({"m": torch.empty(3, device="meta")}, r"\['m'\]", "meta device"),
+    ({"x": [torch.eye(3).to_sparse()]}, r"\['x'\]\[0\]", "sparse_coo tensor cannot be sent; send t.to_dense"),
+    ({"c": torch.ones(2, dtype=torch.complex64).conj()}, r"\['c'\]", "resolve_conj"),
+    ({"n": torch.ones(2).neg().conj()}, None, None),  # a plain real tensor: conj() is a no-op
+    ({"n": torch.ones(2, dtype=torch.complex64)._neg_view()}, r"\['n'\]", "resolve_neg"),
+])
+def test_values_that_would_arrive_wrong_or_not_at_all_are_refused_with_their_path(value, path, reason):
+    for allow_pickle in (False, True):
+        if path is None:
+            pack(value, allow_pickle=allow_pickle)
+            continue
+        with pytest.raises(PayloadError, match=rf"at payload{path}: .*{reason}"):
+            pack(value, allow_pickle=allow_pickle)
+
+
+def test_nesting_past_the_limit_is_refused_and_at_the_limit_sent():
+    from omni_core.relay.payload import MAX_DEPTH
+
+    # the dict and MAX_DEPTH - 1 lists: MAX_DEPTH containers
+    skeleton, tensors = pack({"a": _nested(MAX_DEPTH - 2)})
+    assert unpack(skeleton, tensors)["a"] == _nested(MAX_DEPTH - 2)
+    for depth in (MAX_DEPTH - 1, 700, 5000):  # no RecursionError, however deep
+        with pytest.raises(PayloadError, match=rf"nests deeper than {MAX_DEPTH}"):
+            pack({"a": _nested(depth)})

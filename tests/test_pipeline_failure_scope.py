@@ -84,3 +84,16 @@ def test_a_request_before_the_dead_stage_fails_with_process_died():
                 await asyncio.wait_for(waiting, 30)
 
     arun(body(), timeout=100)
+
+
+def test_a_bad_payload_is_refused_by_the_sender_with_its_path_and_the_pipeline_serves_on():
+    from omni_core.relay.payload import PayloadError
+
+    async def body():
+        async with Pipeline(pipeline(stage("a", "Echo", terminal=True))) as p:
+            with pytest.raises(PayloadError, match=r"payload\['tags'\]: a set"):
+                await p.submit({"tags": {"x", "y"}})
+            assert p.coordinator.in_flight() == 0
+            assert await p.submit({"tags": ["x", "y"]}) == {"tags": ["x", "y"]}
+
+    arun(body(), timeout=60)

@@ -6,6 +6,12 @@ which each tensor is a small extension record pointing at its index in ``tensors
 travel as tensors (zero-copy ``torch.from_numpy``) and come back as arrays. Tuples come back as
 lists (msgpack has one array type). Anything else is a :class:`PayloadError` naming its path inside
 the payload, unless the pipeline sets ``allow_pickle: true``.
+
+Refused before anything is sent, whatever ``allow_pickle`` says (a :class:`PayloadError` with the
+path): sets (they would silently arrive as lists; send a sorted list), nesting deeper than
+:data:`MAX_DEPTH` containers, and tensors that have no bytes to send as they are: on the ``meta``
+device, sparse or other non-strided layouts, and lazy conjugate or negative views (call
+``resolve_conj()`` / ``resolve_neg()``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import numpy as np
 import torch
 
 _TENSOR, _NDARRAY, _PICKLE = 1, 2, 3
+
+#: The deepest nesting of containers (dict, list, tuple) a payload may have.
+MAX_DEPTH = 128
 
 
 class PayloadError(TypeError):
@@ -39,6 +48,8 @@ def _hook(obj: Any) -> Any:
     tensors = _state.tensors
     assert tensors is not None, "the encoder's hook runs only inside pack()"
     if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided or obj.is_meta or obj.is_conj() or obj.is_neg():
+            raise PayloadError(tensor_problem(obj))
         tensors.append(obj)
         return msgspec.msgpack.Ext(_TENSOR, (len(tensors) - 1).to_bytes(4, "little"))
     if isinstance(obj, np.ndarray):
@@ -64,11 +75,19 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=_hook)
 def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch.Tensor]]:
     """``(skeleton, tensors)`` for ``payload``; :class:`PayloadError` names the bad path."""
     tensors: list[torch.Tensor] = []
+    if not _plain(payload):
+        found = find_refused(payload)
+        if found is not None:
+            path, why = found
+            raise PayloadError(f"payload cannot be sent at payload{path}: {why}")
     outer = (_state.tensors, _state.allow_pickle)  # a hook may pack again (pickle of a payload)
     _state.tensors, _state.allow_pickle = tensors, allow_pickle
     try:
         return _encoder.encode(payload), tensors
     except (TypeError, ValueError, OverflowError) as exc:
+        found = find_refused(payload)
+        if found is not None:
+            raise PayloadError(f"payload cannot be sent at payload{found[0]}: {found[1]}") from None
         path = find_unsendable(payload, allow_pickle=allow_pickle)
         where = f" at payload{path}" if path is not None else ""
         hint = (
@@ -119,6 +138,74 @@ def unpack(skeleton: bytes, tensors: list[torch.Tensor], *, allow_pickle: bool =
 
 
 _LEAVES = (str, bytes, bytearray, int, float, bool, type(None), torch.Tensor, np.ndarray, np.generic)
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+_FLAT = _SCALARS | {torch.Tensor}
+
+
+def tensor_problem(t: torch.Tensor) -> str:
+    """Why tensor ``t`` cannot be sent as it is (``""``: it can)."""
+    if t.is_meta:
+        return "a tensor on the meta device has no data to send; materialise it (torch.empty_like(t, device='cpu'))"
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor cannot be sent; send t.to_dense() (or its indices and values)"
+    if t.is_conj():
+        return "a lazy conjugate view cannot be sent; send t.resolve_conj()"
+    if t.is_neg():
+        return "a lazy negative view cannot be sent; send t.resolve_neg()"
+    return ""
+
+
+def _plain(payload: Any) -> bool:
+    """The fast check ``pack`` runs first: no set, no nesting past :data:`MAX_DEPTH` (False
+    sends it to :func:`find_refused` for the path and the reason). Tensors are checked by the
+    encoder's hook, which sees each of them anyway."""
+    if type(payload) is dict:  # the common payload: a flat dict of tensors and scalars
+        for value in payload.values():
+            if type(value) not in _FLAT:
+                break
+        else:
+            return True
+    stack = [(payload, 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        obj, depth = pop()
+        kind = type(obj)
+        if kind is dict:
+            items = obj.values()
+        elif kind is list or kind is tuple:
+            items = obj
+        elif kind is torch.Tensor:
+            continue
+        elif isinstance(obj, (set, frozenset, dict, list, tuple)):
+            return False  # subclasses: the slow path looks closer
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            return False
+        for value in items:
+            if type(value) not in _SCALARS:
+                push((value, depth + 1))
+    return True
+
+
+def find_refused(payload: Any, _path: str = "", _depth: int = 0) -> tuple[str, str] | None:
+    """``(path, why)`` of the first thing ``pack`` refuses whatever ``allow_pickle`` says (a
+    set, a tensor that cannot be sent as it is, nesting past :data:`MAX_DEPTH`), or None."""
+    if isinstance(payload, (set, frozenset)):
+        return _path, (f"a {type(payload).__name__} would arrive as a list; send a list "
+                       "(sorted, if the order must be stable)")
+    if isinstance(payload, torch.Tensor):
+        why = tensor_problem(payload)
+        return (_path, why) if why else None
+    if isinstance(payload, (dict, list, tuple)):
+        if _depth >= MAX_DEPTH:
+            return _path, f"the payload nests deeper than {MAX_DEPTH} containers (omni_core.relay.payload.MAX_DEPTH)"
+        items = payload.items() if isinstance(payload, dict) else enumerate(payload)
+        for key, value in items:
+            found = find_refused(value, f"{_path}[{key!r}]", _depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def find_unsendable(payload: Any, *, allow_pickle: bool = False, _path: str = "") -> str | None:
