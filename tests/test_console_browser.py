@@ -215,15 +215,15 @@ def test_full_page_screenshot(page, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
-def test_a_killed_stage_process_shows_as_dead(page, server):
+def test_a_killed_stage_process_shows_as_restarting_then_running(page, server):
     pid = httpx.get(f"{server.url}/v1/pipelines", timeout=10).json()["pipelines"][0]["processes"]["speech"]
     os.kill(pid, signal.SIGKILL)
-    page.wait_for_function("() => ['dead', 'restarting'].includes(document.querySelector('[data-testid=process-state-speech]').textContent)")
-    # the demo's restart policy is "never": the pipeline stops, the other processes with it
-    page.wait_for_function("() => document.querySelector('[data-testid=pipeline-state]').textContent === 'stopped'")
-    assert text(page, "process-state-speech") == "dead"
-    assert text(page, "process-state-thinker") == "stopped"
-    assert "state-dead" in page.locator("#group-box-speech").get_attribute("class")
+    page.wait_for_function("() => ['dead', 'restarting', 'starting'].includes(document.querySelector('[data-testid=process-state-speech]').textContent)")
+    # the demo's restart policy is on-failure: the speech group comes back, the others never stopped
+    page.wait_for_function("() => document.querySelector('[data-testid=process-state-speech]').textContent === 'running'"
+                           " && document.querySelector('[data-testid=pipeline-state]').textContent === 'running'", timeout=120_000)
+    assert text(page, "process-state-thinker") == "running"
+    assert httpx.get(f"{server.url}/v1/pipelines", timeout=10).json()["pipelines"][0]["processes"]["speech"] != pid
 
 
 def test_no_console_error_and_no_request_left_127_0_0_1(browser_page):

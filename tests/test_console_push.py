@@ -305,22 +305,27 @@ def test_an_api_may_not_take_the_console_paths():
 
 
 def test_a_killed_process_shows_as_restarting_then_running_with_its_restart_counted():
-    with served(str(CONFIGS / "restarting.yaml"), env=ENV) as server, Events(server.url) as events:
-        first = events.wait(lambda s: True)
-        pid = first["processes"]["words"]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        after = events.wait(lambda s: s["processes"]["words"]["restarts"] == 1 and s["processes"]["words"]["state"] == "running"
-                            and s["pipeline"]["state"] == "running")
-        assert after["processes"]["words"]["pid"] != pid and after["pipeline"]["restarts"] == 1
-        assert after["processes"]["shout"] == first["processes"]["shout"]
-        seen = {s["processes"]["words"]["state"] for s in events.states()}
-        assert seen <= {"running", "restarting", "starting"}, seen
+    server = ServerProcess(str(CONFIGS / "restarting.yaml"), env=ENV).start()
+    try:
+        with Events(server.url) as events:
+            first = events.wait(lambda s: True)
+            pid = first["processes"]["words"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            after = events.wait(lambda s: s["processes"]["words"]["restarts"] == 1 and s["processes"]["words"]["state"] == "running"
+                                and s["pipeline"]["state"] == "running")
+            assert after["processes"]["words"]["pid"] != pid and after["pipeline"]["restarts"] == 1
+            assert after["processes"]["shout"] == first["processes"]["shout"]
+            seen = {s["processes"]["words"]["state"] for s in events.states()}
+            assert seen <= {"running", "restarting", "starting"}, seen
 
-        os.kill(after["processes"]["words"]["pid"], signal.SIGKILL)  # past max_restarts: it stays dead
-        dead = events.wait(lambda s: s["processes"]["words"]["state"] == "dead")
-        assert dead["pipeline"]["state"] in ("stopping", "stopped")
-        final = events.wait(lambda s: s["pipeline"]["state"] == "stopped")
-        assert final["processes"]["words"]["state"] == "dead" and final["processes"]["shout"]["state"] == "stopped"
+            # Past max_restarts it stays dead: the page sees it, then the server exits 3.
+            os.kill(after["processes"]["words"]["pid"], signal.SIGKILL)
+            dead = events.wait(lambda s: s["processes"]["words"]["state"] == "dead")
+            assert dead["pipeline"]["state"] in ("stopping", "stopped")
+            assert server.wait(30) == 3, server.output()
+    finally:
+        server.stop()
+    server.assert_nothing_left()
 
 
 def test_no_console_serves_no_page_and_no_push_channel():

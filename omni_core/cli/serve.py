@@ -19,6 +19,11 @@ def serve(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds requests in flight may take to finish after SIGTERM/SIGINT.")] = 30.0,
     no_console: Annotated[bool, typer.Option("--no-console", help="Do not serve the console (the web page at GET / and its /console/* routes).")] = False,
     gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N", help="Place stages on N of this machine's GPUs, as omni run --gpus (needs CUDA; 0: every stage on the CPU; `omni plan CONFIG --gpus N` shows the plan without them).")] = None,
+    api_key: Annotated[list[str] | None, typer.Option("--api-key", metavar="KEY", help="Require this key on every route (repeatable): 'Authorization: Bearer KEY'. Visible in ps: prefer --api-key-file or OMNI_API_KEY.")] = None,
+    api_key_file: Annotated[list[str] | None, typer.Option("--api-key-file", metavar="PATH", help="Require the keys in this file (one per line; blank and # lines skipped; repeatable).")] = None,
+    public_route: Annotated[list[str] | None, typer.Option("--public-route", metavar="PATH", help="With keys: a route served without one (repeatable; /health, /ready, /metrics, /openapi.json, or 'none'). Default: /health and /ready.")] = None,
+    ssl_certfile: Annotated[str | None, typer.Option("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this PEM certificate (chain); needs --ssl-keyfile.")] = None,
+    ssl_keyfile: Annotated[str | None, typer.Option("--ssl-keyfile", metavar="PATH", help="The PEM private key of --ssl-certfile.")] = None,
     log_level: LogLevel = None,
 ) -> None:
     """Serve a pipeline over HTTP: JSON and SSE requests, APIs from plugins, /metrics, and the
@@ -26,17 +31,34 @@ def serve(
 
     Ready (GET /ready 200) once every stage process is ready. SIGTERM or SIGINT drains: no new
     requests, those in flight finish within --drain-timeout, then everything stops; a second
-    signal aborts what is left.
+    signal aborts what is left. If the pipeline stops on its own (a stage process died and the
+    config's restart policy cannot bring it back), the server fails what is in flight and exits
+    with status 3, for its supervisor to restart it.
+
+    With API keys (--api-key, --api-key-file or the OMNI_API_KEY environment variable, commas
+    between keys) every route but the public ones needs 'Authorization: Bearer KEY'; the console
+    page asks the browser for it (any user name, the key as password). See docs/serving.md,
+    Security.
 
     Examples:
 
       omni serve demo
 
       omni serve pipeline.yaml --port 9000 --api openai
+
+      omni serve demo --host 0.0.0.0 --api-key-file keys.txt --ssl-certfile cert.pem --ssl-keyfile key.pem
     """
     from ..errors import ConfigError, OmniError
+    from ..serve.auth import load_keys, public_routes
     from .importpath import add_config_import_paths
     from .run import _check_gpus, check_stage_args, prestart
+
+    try:
+        keys = load_keys(api_key or (), api_key_file or ())
+        public = public_routes(public_route)
+    except OmniError as exc:
+        err.print(f"omni serve: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
 
     _check_gpus(gpus)
     if gpus == 0:  # every stage on the CPU: neither placement nor a stage process sees a GPU
@@ -52,7 +74,8 @@ def serve(
     from ..serve.server import run
 
     settings = ServeSettings(config=config, host=host, port=port, apis=tuple(api or ()), drain_timeout=drain_timeout,
-                             console=not no_console)
+                             console=not no_console, api_keys=keys, public_routes=public,
+                             ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
     def announce(url: str) -> None:
         err.print(f"omni serve: {config} on {url}", markup=False, highlight=False)

@@ -125,6 +125,24 @@ def _apply_env(boot: Bootstrap) -> None:
     torch.set_num_threads(max(1, boot.process.threads))
 
 
+def process_title(boot: Bootstrap) -> str:
+    """What ``ps`` shows for a stage process: ``omni: <pipeline>/<process>``."""
+    return f"omni: {boot.config.get('name') or '?'}/{boot.process.name}"
+
+
+def set_title(boot: Bootstrap) -> None:
+    """Name the process in ``ps`` and ``/proc/PID/cmdline`` (:func:`process_title`), so an
+    operator can tell stage processes apart; without setproctitle the thread name alone."""
+    title = process_title(boot)
+    try:
+        import setproctitle
+    except ImportError:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6").prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        return
+    setproctitle.setproctitle(title)
+
+
 def own_session() -> None:
     """Leave the caller's session and process group: a Ctrl-C in the caller's terminal (SIGINT
     to the whole foreground group) reaches the caller alone, which drains and then stops its
@@ -138,6 +156,7 @@ def main(boot: Bootstrap) -> None:
     launcher calls :func:`own_session` first; a launcher whose processes some other system
     manages (Ray's workers) leaves them where that system put them."""
     _watch_parent(boot.parent_pid)
+    set_title(boot)
     _apply_env(boot)
     configure_logging(force=True)
     heart = Heart(boot)

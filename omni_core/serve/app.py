@@ -10,6 +10,8 @@ request in the metrics, aborts it when the client goes away, and bounds it by it
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +40,8 @@ from .errors import RETRY_AFTER, HTTPError, error_body, error_response
 CONSOLE_PATHS = ("/", "/console/static/{name}", "/console/events", "/console/state", "/console/requests")
 
 #: Paths of the core routes; an API may not take them.
-CORE_PATHS = ("/health", "/ready", "/metrics", "/v1/plugins", "/v1/pipelines", "/v1/pipelines/{name}/requests", *CONSOLE_PATHS)
+CORE_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/v1/plugins", "/v1/pipelines",
+              "/v1/pipelines/{name}/requests", *CONSOLE_PATHS)
 
 
 def build_app(state: ServeState, api_routes: list[Any] | None = None):
@@ -50,8 +53,10 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
     api = ApiContext("core", state.pipeline, state.settings, {}, state)
 
     async def health(request):
-        status = 200 if state.alive else 503
-        return JSONResponse({"status": state.pipeline.state, "pipeline": state.name}, status_code=status)
+        body = {"status": state.pipeline.state, "pipeline": state.name}
+        if not state.alive and not state.draining:  # it cannot go on: the server exits (see server.py)
+            body["error"] = stopped_reason(state)
+        return JSONResponse(body, status_code=200 if state.alive else 503)
 
     async def ready(request):
         if state.ready:
@@ -59,8 +64,10 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
         why = "draining" if state.draining else state.pipeline.state
         if why == "running":
             why = "starting"
-        return JSONResponse({"status": why, "pipeline": state.name}, status_code=503,
-                            headers={"Retry-After": str(RETRY_AFTER)})
+        body = {"status": why, "pipeline": state.name}
+        if not state.alive and not state.draining:
+            body.update(status="failed", error=stopped_reason(state))
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER)})
 
     async def metrics(request):
         text = await asyncio.get_running_loop().run_in_executor(None, state.meter.prometheus_text)
@@ -125,7 +132,13 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
 
         return EventStream(stream_body(request, events, first, request_id))
 
+    async def openapi_json(request):
+        from .openapi import openapi_document
+
+        return JSONResponse(openapi_document(state, app.routes))
+
     routes = [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -142,9 +155,63 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
 
     app = Starlette(routes=routes + list(api_routes or []), exception_handlers={404: not_found, 405: not_found})
     app.state.omni = state
+    app.router.default = _no_route(app.router.default, state)
+    from .auth import ApiKeys, Auth
     from .limits import BodyLimit
 
-    return AccessLog(BodyLimit(app, state.pipeline.config.serve.max_request_bytes), state)
+    # Outside in: the access log sees every answer (401s included); a request without a valid
+    # key is answered before its body is read.
+    keys = ApiKeys(state.settings.api_keys)
+    guarded = Auth(BodyLimit(app, state.pipeline.config.serve.max_request_bytes), keys, state.settings.public_routes,
+                   CORE_PATHS)
+    return AccessLog(guarded, state, app)
+
+
+def stopped_reason(state: ServeState) -> str:
+    """Why the pipeline stopped on its own (what /health and /ready say before the server exits)."""
+    if state.failed is not None:
+        return state.failed
+    reason = getattr(getattr(state.pipeline, "lifecycle", None), "closed_reason", None)
+    return str(reason) if reason is not None else f"the pipeline {state.name!r} stopped"
+
+
+def _no_route(default: Callable, state: ServeState) -> Callable:
+    """The router's answer when no route matches: for a WebSocket, instead of a bare 403, an
+    accepted connection that gets one Realtime-style ``error`` event naming the API that serves
+    the path (from the registered APIs' descriptions) and is closed (1008)."""
+
+    async def no_route(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "websocket":
+            await default(scope, receive, send)
+            return
+        message = websocket_not_served(scope.get("path", ""), state)
+        state.log.warning("websocket refused", path=scope.get("path"), reason=message)
+        await send({"type": "websocket.accept"})
+        event = {"type": "error", "event_id": None,
+                 "error": {"type": "invalid_request_error", "code": "not_found", "message": message, "param": None}}
+        await send({"type": "websocket.send", "text": json.dumps(event)})
+        await send({"type": "websocket.close", "code": 1008, "reason": message.encode()[:120].decode("utf-8", "ignore")})
+
+    return no_route
+
+
+def websocket_not_served(path: str, state: ServeState) -> str:
+    """Why no WebSocket answers at ``path``, and which API to mount when one is known to serve it."""
+    from ..plugins import get_registry
+
+    mounted = list(state.settings.apis)
+    pattern = re.compile(rf"(?<![\w/]){re.escape(path)}(?![\w/])")
+    try:
+        serving = [e.name for e in get_registry().entries("api") if e.description and pattern.search(e.description)]
+    except Exception:  # the hint is a courtesy: never fail the answer over it
+        serving = []
+    serving = [n for n in serving if n not in mounted]
+    head = f"no WebSocket at {path} on this server (APIs mounted: {', '.join(mounted) or 'none'})"
+    if serving:
+        name = serving[0]
+        return (f"{path} is served by the API {name!r}, which this server does not mount: start it with "
+                f"`omni serve {state.settings.config or 'CONFIG'} --api {name}` (or add it to serve.apis); {head}")
+    return f"{head}; `omni plugins list` shows the APIs installed, `omni serve ... --api NAME` mounts one"
 
 def _failed(request: Any, exc: BaseException):
     err = note_error(request, exc)
@@ -157,9 +224,11 @@ class AccessLog:
     """ASGI middleware: one line per HTTP request (id, method, path, status, duration and, for a
     stream, time to first chunk), with ``request_id`` bound for every log line of the request."""
 
-    def __init__(self, app: Any, state: ServeState):
+    def __init__(self, app: Any, state: ServeState, starlette: Any = None):
         self.app = app
         self.state = state
+        #: The Starlette app inside the middlewares (APIs' routes are added to its router).
+        self.starlette = starlette
         self.log = get_logger(pipeline=state.name)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -37,6 +37,13 @@ class ServeSettings:
     apis: tuple[str, ...] = ()
     drain_timeout: float = 30.0
     console: bool = True  # the console at GET / (``--no-console``: off)
+    #: Keys a client must present (``--api-key``, ``--api-key-file``, ``OMNI_API_KEY``; empty:
+    #: none needed). Never shown: not in the repr, never logged.
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: Routes served without a key when keys are set (``--public-route``).
+    public_routes: tuple[str, ...] = ("/health", "/ready")
+    ssl_certfile: str | None = None  # TLS (``--ssl-certfile``/``--ssl-keyfile``, uvicorn's)
+    ssl_keyfile: str | None = None
 
 
 class ServeState:
@@ -52,6 +59,9 @@ class ServeState:
         self.idle = asyncio.Event()
         self.idle.set()
         self.active: set[str] = set()  # ids of the requests in flight (the drain aborts them last)
+        #: Why the pipeline cannot go on (it stopped on its own: restart never, or past its limit);
+        #: the server then fails what is in flight and exits non-zero. None while it can.
+        self.failed: str | None = None
         self.log = get_logger(pipeline=self.name)
 
     @property

@@ -8,7 +8,12 @@ Order of events:
 4. on SIGTERM or SIGINT: ``/ready`` 503 and new requests 503 at once; requests in flight (streams
    included) may finish for ``drain_timeout`` seconds; what is left then, or at a second signal,
    is aborted; uvicorn closes the connections; the pipeline stops; the exit status is 0 unless
-   something could not be cleaned up.
+   something could not be cleaned up;
+5. when the pipeline stops on its own (a stage process died under ``restart: never``, or past
+   ``max_restarts``): ``/health`` and ``/ready`` answer 503 saying why, requests in flight are
+   failed (the pipeline fails them; what is left after :data:`FAILED_GRACE` seconds is aborted),
+   new requests get 503, and after at least :data:`FAILED_GRACE` seconds the server exits with
+   :data:`PIPELINE_FAILED_EXIT` so that systemd, Kubernetes or any supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import OmniError, PluginError
 from ..logs import get_logger
 from .app import CORE_PATHS, build_app
+from .auth import is_loopback
 from .context import ApiContext, ServeSettings, ServeState
 
 if TYPE_CHECKING:
@@ -31,6 +37,15 @@ if TYPE_CHECKING:
 #: Seconds uvicorn waits for open connections once the drain is over (whole seconds: uvicorn's
 #: setting is an int).
 CLOSE_CONNECTIONS_TIMEOUT = 5
+
+#: The exit status of a server whose pipeline stopped on its own and cannot go on.
+PIPELINE_FAILED_EXIT = 3
+
+#: Seconds the answers of failed requests get to reach their clients before the server exits.
+FAILED_GRACE = 2.0
+
+#: How often the server looks whether its pipeline stopped on its own.
+WATCH_INTERVAL = 0.1
 
 
 def api_names(settings: ServeSettings, config: Any) -> list[str]:
@@ -107,11 +122,13 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
     settings.apis = tuple(names)
     state = ServeState(pipeline, settings)
     app = build_app(state)
+    tls = check_tls(settings)
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     settings.port = port
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                               timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT, timeout_keep_alive=5)
+                               timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT, timeout_keep_alive=5,
+                               **tls)
     server = _uvicorn_server(uv_config)
 
     loop = asyncio.get_running_loop()
@@ -127,10 +144,16 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
                 uv_task.result()
                 raise OmniError("the HTTP server stopped before it started")
             await asyncio.sleep(0.01)
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        scheme = "https" if tls else "http"
+        url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         if announce is not None:
             announce(url)
-        log.info("listening", url=url, pipeline=pipeline.config.name, apis=names)
+        log.info("listening", url=url, pipeline=pipeline.config.name, apis=names, api_keys=len(settings.api_keys),
+                 public_routes=list(settings.public_routes) if settings.api_keys else "all")
+        if not settings.api_keys and not is_loopback(settings.host):
+            log.warning("serving without an API key on a non-loopback address: anyone who reaches it can use every "
+                        "route, the console and its playground included; pass --api-key-file PATH (or --api-key, "
+                        "OMNI_API_KEY)", host=settings.host)
 
         start = loop.create_task(pipeline.start())
         first_signal = loop.create_task(signals.get())
@@ -152,11 +175,19 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
         start.result()  # StartupError → the CLI prints it
         for name, factory in factories:
             routes = api_routes(name, factory, ApiContext(name, pipeline, settings, dict(pipeline.config.serve.options.get(name, {})), state))
-            app.app.router.routes.extend(routes)
+            app.starlette.router.routes.extend(routes)
         state.started = True
         log.info("ready", url=url, pipeline=pipeline.config.name)
 
-        sig = await signals.get()
+        next_signal = loop.create_task(signals.get())
+        failed = loop.create_task(pipeline_failed(state))
+        await asyncio.wait({next_signal, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if not next_signal.done():
+            next_signal.cancel()
+            status = await _fail(state, loop, log)
+            return status
+        failed.cancel()
+        sig = next_signal.result()
         state.draining = True
         log.warning("draining", signal=signal.Signals(sig).name, in_flight=len(state.active),
                     drain_timeout=settings.drain_timeout)
@@ -173,12 +204,62 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
                 await asyncio.wait_for(state.idle.wait(), 5.0)
     finally:
         await _shutdown(server, uv_task, sock, pipeline, loop)
-    left = leftovers(pipeline)
-    if left:
-        log.error("could not clean up", left=left)
-        status = 1
-    log.info("stopped", pipeline=pipeline.config.name)
+        left = leftovers(pipeline)
+        if left:
+            log.error("could not clean up", left=left)
+            status = status or 1
+        log.info("stopped", pipeline=pipeline.config.name, status=status)
     return status
+
+
+async def pipeline_failed(state: ServeState) -> None:
+    """Return once the pipeline stopped on its own (it cannot go on), recording why."""
+    pipeline = state.pipeline
+    while pipeline.state not in ("stopping", "stopped"):
+        await asyncio.sleep(WATCH_INTERVAL)
+    reason = getattr(getattr(pipeline, "lifecycle", None), "closed_reason", None)
+    state.failed = (str(reason) if reason is not None else f"the pipeline {state.name!r} stopped") + (
+        f"; omni serve exits with status {PIPELINE_FAILED_EXIT} so that its supervisor restarts it")
+
+
+async def _fail(state: ServeState, loop: Any, log: Any) -> int:
+    """The pipeline cannot go on: fail what is in flight, then exit non-zero."""
+    log.error("pipeline stopped: exiting", reason=state.failed, in_flight=len(state.active),
+              restart_policy=state.pipeline.config.restart.policy, exit_status=PIPELINE_FAILED_EXIT)
+    # FAILED_GRACE seconds in any case: the failed requests' answers go out, and probes and the
+    # console's push channel see why before the server is gone.
+    grace = loop.create_task(asyncio.sleep(FAILED_GRACE))
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), FAILED_GRACE)
+    if not state.idle.is_set():
+        await state.abort_all()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), FAILED_GRACE)
+    await grace
+    state.draining = True
+    return PIPELINE_FAILED_EXIT
+
+
+def check_tls(settings: ServeSettings) -> dict[str, Any]:
+    """uvicorn's TLS settings from ``--ssl-certfile/--ssl-keyfile``, checked before anything
+    starts (an OmniError naming the file otherwise)."""
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if not cert and not key:
+        return {}
+    if not cert or not key:
+        given, missing = ("--ssl-certfile", "--ssl-keyfile") if cert else ("--ssl-keyfile", "--ssl-certfile")
+        raise OmniError(f"{given} was given without {missing}: TLS needs both (the certificate chain and its private key)")
+    import ssl
+
+    for flag, path in (("--ssl-certfile", cert), ("--ssl-keyfile", key)):
+        if not os.path.isfile(path):
+            raise OmniError(f"{flag} {path}: no such file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise OmniError(f"--ssl-certfile {cert} / --ssl-keyfile {key}: cannot load them ({exc}); give a PEM "
+                        "certificate (chain) and its unencrypted PEM private key") from None
+    return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
 async def _shutdown(server: Any, uv_task: asyncio.Task, sock: socket.socket, pipeline: Any, loop: Any) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from .leaks import processes_with_env, runtime_dirs, shm_segments
 
-_URL = re.compile(r"omni serve: .* on (http://127\.0\.0\.1:\d+)")
+_URL = re.compile(r"omni serve: .* on (https?://\S+:\d+)$")
 
 
 class ServerProcess:
