@@ -23,7 +23,7 @@ class PlanFormat(str, enum.Enum):
 
 @app.command()
 def plan(
-    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name.")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file, a registered pipeline name or a checkpoint folder.")],
     gpus: Annotated[
         int | None,
         typer.Option("--gpus", min=0, metavar="N",
@@ -42,6 +42,10 @@ def plan(
     fmt: Annotated[
         PlanFormat, typer.Option("--format", help="text (default), json, mermaid or dot.")
     ] = PlanFormat.text,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", metavar="DIR", help="A checkpoint folder given to every stage as args.model."),
+    ] = None,
     log_level: LogLevel = None,
 ) -> None:
     """Show how a pipeline would run: the GPU of every stage and rank, the process groups, each
@@ -62,7 +66,7 @@ def plan(
 
     add_config_import_paths(config)  # a placement strategy or function given by dotted path beside the config
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, model=model)
         if launcher is not None:
             cfg = _with_launcher(cfg, launcher)
         result = build_plan(cfg, get_registry(), gpus=gpus, environ=os.environ)

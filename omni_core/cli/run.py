@@ -360,7 +360,7 @@ def err_console():
 
 @app.command()
 def run(
-    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name (e.g. demo).")],
+    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file, a registered pipeline name (e.g. demo) or a checkpoint folder (its model family's pipeline).")],
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON", help="One request's inputs as JSON (or @file.json).")] = None,
     inputs: Annotated[Path | None, typer.Option("--inputs", metavar="FILE", exists=True, dir_okay=False, readable=True,
                                                 help="A JSON-lines file, one request per line.")] = None,
@@ -373,6 +373,7 @@ def run(
                                              help="Place stages on N of this machine's GPUs (needs CUDA; to plan for GPUs you do not have, use `omni plan --gpus N`).")] = None,
     tensor_data: Annotated[bool, typer.Option("--tensor-data",
                                               help="Print tensors whole (dtype, shape and base64 data, as omni serve sends them) instead of only their dtype and shape.")] = False,
+    model: Annotated[str | None, typer.Option("--model", metavar="DIR", help="A checkpoint folder given to every stage as args.model (a model family's pipeline runs on it).")] = None,
     log_level: LogLevel = None,
 ) -> None:
     """Run requests through a pipeline: one (--input) or many (--inputs FILE).
@@ -385,6 +386,8 @@ def run(
       omni run demo --input '{"text": "hello"}' --stream
 
       omni run pipeline.yaml --inputs requests.jsonl --output results.jsonl
+
+      omni run ./Qwen2.5-Omni-7B --input '{"text": "hello"}'   (a checkpoint folder: its family's pipeline)
     """
     from ..errors import OmniError
     from .importpath import add_config_import_paths
@@ -396,6 +399,10 @@ def run(
     _check_gpus(gpus)
     add_config_import_paths(config)
     try:
+        if model is not None:  # the config loaded once, with the checkpoint in every stage's args
+            from ..config import load_config
+
+            config = load_config(config, model=model)  # type: ignore[assignment]
         if input is not None:
             parsed = _parse_input(input)
             result = to_jsonable(asyncio.run(_run_one(config, parsed, stream, request_id, gpus, tensor_data)),

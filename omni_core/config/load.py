@@ -519,11 +519,14 @@ def load_config(
     registry: Registry | None = None,
     import_factories: bool = False,
     serve: bool = False,
+    model: str | os.PathLike | None = None,
 ) -> PipelineConfig:
     """Load and validate a pipeline config.
 
-    ``config`` is a path to a YAML/TOML file, a mapping, a :class:`PipelineConfig`, or the name of a
-    pipeline a plugin registered (``"demo"``). Raises :class:`ConfigError` listing every problem:
+    ``config`` is a path to a YAML/TOML file, a mapping, a :class:`PipelineConfig`, the name of a
+    pipeline a plugin registered (``"demo"``), or a checkpoint folder (its ``config.json``'s
+    ``model_type`` picks the model family registered for it, whose pipeline serves the folder).
+    ``model``: a checkpoint folder given to every stage as ``args.model``. Raises :class:`ConfigError` listing every problem:
     the structural ones (unknown keys, wrong types) and, in the same pass, what the whole-graph
     rules find in the rest. Names are resolved through ``registry`` (default: the registry of the
     installed plugins). ``import_factories`` and ``serve`` are :func:`~omni_core.config.collect_issues`'s.
@@ -535,10 +538,14 @@ def load_config(
             data, source = dict(config), None
         else:
             text = os.fspath(config)
-            if os.path.exists(text) or Path(text).suffix.lower() in CONFIG_SUFFIXES:
+            if os.path.isdir(text):
+                data, source = _checkpoint_pipeline(text, registry)
+            elif os.path.exists(text) or Path(text).suffix.lower() in CONFIG_SUFFIXES:
                 data, source = read_config_file(text), text
             else:
                 data, source = _registered_pipeline_or_error(text, registry)
+        if model is not None:
+            data = with_model(data, model)
         if not validate:
             return structure(data, source=source)
         found, issues, replaced = structure_checked(data)
@@ -553,6 +560,40 @@ def load_config(
     if issues:
         raise ConfigError(issues, source=source)
     return cfg
+
+
+def with_model(data: dict[str, Any], model: str | os.PathLike) -> dict[str, Any]:
+    """A pipeline's mapping with ``model`` (a checkpoint folder) as every stage's ``args.model``."""
+    folder = str(Path(model).expanduser().resolve())
+    stages = [{**stage, "args": {**(stage.get("args") or {}), "model": folder}} if isinstance(stage, Mapping) else stage
+              for stage in data.get("stages") or []]
+    return {**data, "stages": stages}
+
+
+def _checkpoint_pipeline(folder: str, registry: Registry | None) -> tuple[dict[str, Any], str]:
+    """A checkpoint folder as a pipeline: the model family registered for its ``config.json``'s
+    ``model_type`` (``omni_register_families``), its pipeline, every stage given the folder."""
+    def fail(message: str) -> ConfigError:
+        return ConfigError([ConfigIssue("", message)], source=folder)
+
+    try:
+        model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except FileNotFoundError:
+        raise fail(f"{folder!r} is a folder, neither a config file nor a checkpoint (no config.json in it)") from None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise fail(f"{folder!r}: its config.json cannot be read: {exc}") from None
+    if registry is None:
+        from ..plugins import get_registry
+
+        registry = get_registry()
+    families = [registry.get("family", name) for name in registry.names("family")]
+    for family in families:
+        if model_type in family.meta.get("model_types", ()):
+            data, _ = _registered_pipeline_or_error(family.meta["pipeline"], registry)
+            return with_model(data, folder), f"{folder!r} (model family {family.name!r})"
+    installed = ", ".join(f"{f.name} ({', '.join(f.meta.get('model_types', ()))})" for f in families) or "none"
+    raise fail(f"no installed model family serves model_type {model_type!r} of {folder}; installed families: "
+               f"{installed}")
 
 
 def _registered_pipeline_or_error(name: str, registry: Registry | None) -> tuple[dict[str, Any], str]:
