@@ -28,7 +28,9 @@ from pathlib import Path
 import attrs
 import torch
 from omni_core.batching import MicroBatcher
+from omni_core.files import local_path
 
+from ..kit.chunks import ChunkError, CodesChunk, TextChunk, codes_chunk
 from ..kit.sampling import make_generator, resolve_model_path, torch_dtype
 from .common import DEFAULT_SPEAKER, USAGE_KEYS, StreamProgress, request_seed, sample_rate_of
 from .parts import load_part, load_speakers, speaker_params
@@ -256,7 +258,10 @@ class Token2Wav:
                 payload = await ctx.payload()
             speaker = speaker_params(self.speakers, payload.get("speaker", DEFAULT_SPEAKER))
             generator = make_generator(request_seed(payload), self.device)
-            wav_path = payload.get("wav_path", self.wav_path)
+            if "wav_path" in payload:  # the request's file (the operator's wav_path otherwise)
+                wav_path = payload["wav_path"] and str(local_path(ctx, payload["wav_path"], "wav_path", write=True))
+            else:
+                wav_path = self.wav_path
             if wav_path:
                 wav = WavWriter(str(wav_path), self.sample_rate)
             if self.stream:
@@ -313,20 +318,22 @@ class _Received(StreamProgress):
         self.rng_state: torch.Tensor | None = None
 
     async def _read(self) -> None:
-        async for chunk in self.ctx.stream_from(self.source):
-            if "text" in chunk:
-                self.text.append(chunk["text"])
-                self.token_ids.extend(chunk["token_ids"])
-                await self.ctx.emit({"text": chunk["text"], "token_ids": list(chunk["token_ids"])})
-            if "codes" in chunk:
-                self.codes.extend(int(c) for c in chunk["codes"])
-            for key in USAGE_KEYS:
-                if key in chunk:
-                    self.extra[key] = chunk[key]
-            if chunk.get("final"):
-                self.finished = True
-                if chunk.get("rng_state") is not None:
-                    self.rng_state = torch.frombuffer(bytearray(chunk["rng_state"]), dtype=torch.uint8)
+        async for wire in self.ctx.stream_from(self.source):
+            chunk = codes_chunk(wire)
+            if isinstance(chunk, CodesChunk):
+                if chunk.codebooks != 1:
+                    raise ChunkError(f"token2wav takes one code per frame, got frames of {chunk.codebooks}")
+                self.codes.extend(int(c) for c in chunk.codes)
+                if chunk.final:
+                    self.finished = True
+                    if chunk.rng_state is not None:
+                        self.rng_state = torch.frombuffer(bytearray(chunk.rng_state), dtype=torch.uint8)
+            else:
+                if "text" in wire:
+                    self.text.append(chunk.text)
+                    self.token_ids.extend(chunk.token_ids)
+                    await self.ctx.emit(TextChunk(chunk.text, chunk.token_ids).to_wire())
+                self.extra.update({k: chunk.usage[k] for k in USAGE_KEYS if k in chunk.usage})
             self.changed.set()
         if not self.finished:
             raise RuntimeError(f"the {self.source} stream ended without its final chunk")
