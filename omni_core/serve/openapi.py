@@ -129,9 +129,14 @@ def api_operations(route: Any) -> dict[str, Any]:
         if method == "HEAD":
             continue
         body = {"type": "object"} if method in ("POST", "PUT", "PATCH") else None
-        ops[method.lower()] = _op(f"{method} {route.path} (mounted by an API; it declares no schema).", {
+        ops[method.lower()] = _op(f"{method} {_path(route)} (mounted by an API; it declares no schema).", {
             "200": {"description": "Success."}, **_errors(_OPENAI_ERROR, "400", "401", "404")}, body=body, params=params)
     return ops
+
+
+def _path(route: Any) -> str:
+    """A route's path as OpenAPI writes it: ``{model}``, not Starlette's ``{model:path}``."""
+    return getattr(route, "path_format", None) or route.path
 
 
 def openapi_document(state: ServeState, routes: list[Any]) -> dict[str, Any]:
@@ -147,7 +152,7 @@ def openapi_document(state: ServeState, routes: list[Any]) -> dict[str, Any]:
         if type(route).__name__ == "WebSocketRoute":
             websockets.append(path)
             continue
-        paths.setdefault(path, {}).update(api_operations(route))
+        paths.setdefault(_path(route), {}).update(api_operations(route))
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": f"omni serve: {state.name}", "version": omni_version,
