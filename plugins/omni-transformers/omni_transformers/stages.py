@@ -1,5 +1,5 @@
 """Qwen2.5-Omni as omni stages: processor → thinker ==> talker ==> token2wav, one module each
-(``processor``, ``thinker``, ``talker``, ``token2wav``); this module names them all, for configs that
+(``qwen2_5_omni.processor``, ``.thinker``, ``.talker``, ``.token2wav``); this module names them all, for configs that
 say ``omni_transformers.stages:Thinker``.
 
 Each stage reproduces its part of ``Qwen2_5OmniForConditionalGeneration.generate(...,
@@ -8,7 +8,7 @@ with everything per request: KV caches, explicit position ids (never ``rope_delt
 module), RNG (a ``torch.Generator`` seeded from the request's ``seed``). Model steps run in
 worker threads, so concurrent requests interleave step by step and the event loop stays free.
 
-Streams (docs/models.md lists every key):
+Streams (the typed chunks of ``omni_transformers.kit.chunks``; docs/models.md lists every key):
 
 - thinker → talker: chunk 0 ``{"step": 0, "token_id", "text", "prompt" [L, H], "text_bos",
   "text_eos", "text_pad" [H]}``, then per decoding step k ``{"step": k, "token_id", "text",

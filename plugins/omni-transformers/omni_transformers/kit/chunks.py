@@ -51,8 +51,10 @@ class TextChunk:
 
     @classmethod
     def from_wire(cls, wire: dict) -> TextChunk:
-        return cls(_need(wire, "text", "text"), list(wire.get("token_ids", ())),
-                   {k: wire[k] for k in USAGE_FIELDS if k in wire})
+        """A text chunk; one with the usage counts alone has no ``text``."""
+        usage = {k: wire[k] for k in USAGE_FIELDS if k in wire} if isinstance(wire, dict) else {}
+        text = wire.get("text", "") if usage else _need(wire, "text", "text")
+        return cls(text, list(wire.get("token_ids", ())), usage)
 
 
 @attrs.frozen

@@ -10,9 +10,13 @@ import torch
 from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 
 from ..kit.batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
+from ..kit.chunks import CodesChunk, TextChunk, ThinkerEnd, ThinkerHead, thinker_chunk
 from ..kit.sampling import Sampler, make_generator, resolve_model_path
 from .common import USAGE_KEYS, StreamProgress, request_seed
 from .parts import load_part
+
+#: The thinker's extra tensors in its first chunk (the Qwen2.5-Omni thinker's ``head_keys``).
+HEAD_KEYS = ("text_bos", "text_eos", "text_pad")
 
 
 class TalkerRow:
@@ -177,11 +181,12 @@ class Talker:
                     codes.append(code)
                     pending.append(code)
                     if len(pending) >= self.codes_per_chunk:
-                        await ctx.emit({"codes": pending})
+                        await ctx.emit(CodesChunk(pending).to_wire())
                         pending = []
             await reader  # the whole text reaches the caller before the last codes
             # The RNG state as bytes: a few bytes of msgpack, no relay transfer.
-            await ctx.emit({"codes": pending, "final": True, "rng_state": generator.get_state().numpy().tobytes()})
+            await ctx.emit(CodesChunk(pending, final=True,
+                                      rng_state=generator.get_state().numpy().tobytes()).to_wire())
             return {"codes": codes}
         finally:
             if not reader.done():
@@ -225,28 +230,29 @@ class _ThinkerStream(StreamProgress):
 
     async def _read(self) -> None:
         expect = 0
-        async for chunk in self.ctx.stream_from(self.source):
-            if chunk.get("final"):
+        async for wire in self.ctx.stream_from(self.source):
+            chunk = thinker_chunk(wire, HEAD_KEYS)
+            if isinstance(chunk, ThinkerEnd):
                 # The thinker's counts (prompt_tokens, completion_tokens, finish_reason) go on
                 # with its last text, for token2wav's result.
-                usage = {k: chunk[k] for k in USAGE_KEYS if k in chunk}
-                if chunk.get("text"):
-                    await self.ctx.emit({"text": chunk["text"], "token_ids": [], **usage})
+                usage = {k: chunk.usage[k] for k in USAGE_KEYS if k in chunk.usage}
+                if chunk.text:
+                    await self.ctx.emit(TextChunk(chunk.text, [], usage).to_wire())
                 elif usage:
                     await self.ctx.emit(usage)
                 continue
-            if chunk.get("step") != expect:
-                raise RuntimeError(f"the {self.source} stream is out of order: chunk {chunk.get('step')} "
+            if chunk.step != expect:
+                raise RuntimeError(f"the {self.source} stream is out of order: chunk {chunk.step} "
                                    f"arrived where {expect} was due")
             expect += 1
-            if chunk["step"] == 0:
-                self.head = {k: chunk[k].clone() for k in ("prompt", "text_bos", "text_eos", "text_pad")}
+            if isinstance(chunk, ThinkerHead):
+                self.head = {"prompt": chunk.prompt.clone(), **{k: chunk.extra[k].clone() for k in HEAD_KEYS}}
             else:
-                self.replies.append(chunk["reply"].clone())
+                self.replies.append(chunk.reply.clone())
                 if self.sink is not None and len(self.replies) > 1:
                     self.sink.feed(self.replies[-1].to(self.device))
             self.changed.set()
-            await self.ctx.emit({"text": chunk["text"], "token_ids": [chunk["token_id"]]})
+            await self.ctx.emit(TextChunk(chunk.text, [chunk.token_id]).to_wire())
         if expect == 0:
             raise RuntimeError(f"the {self.source} stream ended before its first chunk")
 
