@@ -13,10 +13,10 @@ import pytest
 import soundfile
 import torch
 
-from omni_transformers.qwen2_5_omni.encoders import AudioEncoder, VisionEncoder
-from omni_transformers.qwen2_5_omni.inputs import prefill_inputs
 from omni_transformers.kit.media import MediaError
 from omni_transformers.kit.sampling import make_generator
+from omni_transformers.qwen2_5_omni.encoders import AudioEncoder, VisionEncoder
+from omni_transformers.qwen2_5_omni.inputs import prefill_inputs
 from omni_transformers.qwen2_5_omni.parts import load_part, speaker_params
 from omni_transformers.qwen2_5_omni.processor import Processor
 from omni_transformers.qwen2_5_omni.token2wav import (
