@@ -38,8 +38,8 @@ class FakeEndpoint(Endpoint):
     # -- set-up -------------------------------------------------------------------------------
 
     def open(self, *, run_id: str = "test-run", runtime_dir: str = "/nonexistent",
-             addresses: Mapping[str, str] | None = None, stages: tuple[str, ...] = ()) -> None:
-        super().open(run_id=run_id, runtime_dir=runtime_dir, addresses=addresses or {}, stages=stages)
+             addresses: Mapping[str, str] | None = None, stages: tuple[str, ...] = (), secret: bytes = b"") -> None:
+        super().open(run_id=run_id, runtime_dir=runtime_dir, addresses=addresses or {}, stages=stages, secret=secret)
 
     def listen(self) -> None:
         self.listening = True

@@ -59,7 +59,7 @@ class Inbox:
     and never stops the inbox."""
 
     def __init__(self, ctx: zmq.Context, address: str, handler: Handler, *, name: str = "",
-                 outbox: Outbox | None = None):
+                 outbox: Outbox | None = None, secret: bytes = b""):
         sock = adopt_inbox(address)
         if sock is None:
             if address.startswith("tcp://"):
@@ -75,6 +75,9 @@ class Inbox:
         #: Held while a drain runs: what its handlers post leaves together at the end of the drain
         #: (the first ones earlier, by the outbox's flush schedule).
         self.outbox = outbox
+        #: The run's secret: a message whose MAC does not verify is dropped (b"": no MAC).
+        self.secret = secret
+        self.refused = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -117,8 +120,16 @@ class Inbox:
             except zmq.ZMQError:  # closed underneath us during shutdown
                 return
             handled += 1
+            body = frames[0].buffer
+            if self.secret:
+                body = wire.unseal(self.secret, body)
+                if body is None:
+                    self.refused += 1
+                    log.warning("refused a control message without the run's MAC", inbox=self.name,
+                                refused=self.refused, frames=len(frames))
+                    continue
             try:
-                msg = wire.decode(frames[0].buffer)
+                msg = wire.decode(body)
             except Exception as exc:
                 log.warning("dropped a malformed control message", inbox=self.name, error=str(exc))
                 continue
@@ -159,8 +170,10 @@ class Outbox:
     later messages wait in a per-address backlog that a flusher task drains; ``send`` awaits its
     message leaving (back-pressure), ``post`` does not (for synchronous callers)."""
 
-    def __init__(self, ctx: zmq.Context):
+    def __init__(self, ctx: zmq.Context, secret: bytes = b""):
         self.ctx = ctx
+        #: The run's secret: every message leaves sealed with its MAC (b"": none).
+        self.secret = secret
         self._socks: dict[str, zmq.Socket] = {}
         self._backlog: dict[str, deque] = {}
         self._flushers: dict[str, asyncio.Task] = {}
@@ -186,12 +199,12 @@ class Outbox:
             if frames:  # part by part (send_multipart costs twice as much); atomic all the same:
                 # zmq takes the later parts of a message whose first part it took
                 send = sock.send
-                send(wire.encode(msg), _SNDMORE, copy=False)
+                send(wire.seal(self.secret, wire.encode(msg)) if self.secret else wire.encode(msg), _SNDMORE, copy=False)
                 for frame in frames[:-1]:
                     send(frame, _SNDMORE, copy=False)
                 send(frames[-1], _NOBLOCK, copy=False)
             else:
-                sock.send(wire.encode(msg), _NOBLOCK)
+                sock.send(wire.seal(self.secret, wire.encode(msg)) if self.secret else wire.encode(msg), _NOBLOCK)
             return True
         except zmq.Again:
             return False

@@ -103,7 +103,8 @@ class Heart:
                     elif lag <= self.block_warning:
                         warned = False
                 with contextlib.suppress(zmq.ZMQError):
-                    sock.send(wire.encode(wire.Heartbeat(name, pid, generation, lag)), zmq.NOBLOCK)
+                    beat = wire.encode(wire.Heartbeat(name, pid, generation, lag))
+                    sock.send(wire.seal(self.boot.secret, beat) if self.boot.secret else beat, zmq.NOBLOCK)
         finally:
             sock.close(linger=0)
             ctx.term()
@@ -169,7 +170,7 @@ def main(boot: Bootstrap) -> None:
             config = structure(boot.config)
             endpoint = Endpoint(config, registry, process=boot.process.name, origin=boot.process.name)
             endpoint.open(run_id=boot.run_id, runtime_dir=boot.runtime_dir, addresses=boot.addresses,
-                          stages=boot.process.stages)
+                          stages=boot.process.stages, secret=boot.secret)
             host = Host(boot, config, registry, endpoint)
             host.build_stages()
         except BaseException as exc:  # noqa: B902 - SystemExit from a factory is a failed start too
@@ -216,7 +217,7 @@ async def _report_start_failure(boot: Bootstrap, exc: BaseException, host: Any =
     except Exception:  # never let the description hide the failure itself
         stage, path = "", ""
     ctx = zmq.Context(io_threads=1)
-    outbox = Outbox(ctx)
+    outbox = Outbox(ctx, boot.secret)
     try:
         failed = wire.StartFailed(boot.process.name, os.getpid(), message, tb, stage, path)
         await asyncio.wait_for(outbox.send(boot.addresses[""], failed), 2.0)

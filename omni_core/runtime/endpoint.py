@@ -83,6 +83,7 @@ class Endpoint:
         self._opened = False
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._receiver: DataReceiver | None = None
+        self.secret = b""
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -96,10 +97,13 @@ class Endpoint:
         self._receiver = receiver
 
     def open(self, *, run_id: str, runtime_dir: str, addresses: Mapping[str, str],
-             stages: tuple[str, ...] = ()) -> None:
+             stages: tuple[str, ...] = (), secret: bytes = b"") -> None:
         """Make the edges for a run: ``addresses`` maps every process name (``""``: the
-        coordinator) to its inbox address as this process reaches it."""
+        coordinator) to its inbox address as this process reaches it. ``secret``: the run's,
+        which every message sent carries a MAC of and every message received must
+        (:mod:`.wire`; b"": none, for in-process tests)."""
         self.addresses = dict(addresses)
+        self.secret = self.outbox.secret = secret
         self._opened = True
         self.edges = Edges(config=self.config, registry=self.registry, run_id=run_id, process=self.process,
                            runtime_dir=runtime_dir, stages=stages)
@@ -108,7 +112,7 @@ class Endpoint:
         """Bind this process's inbox and start reading it (in the running event loop)."""
         assert self._zctx is not None and self._opened, "open() first"
         self._inbox = Inbox(self._zctx, self.addresses[self.origin], self._dispatch, name=self.process or "coordinator",
-                            outbox=self.outbox)
+                            outbox=self.outbox, secret=self.secret)
         self._inbox.start()
 
     # -- out ----------------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ class Runner:
         self.log = get_logger(pipeline=config.name)
         self.plan: Plan | None = None
         self.run_id = ""
+        self.secret = b""
         self.runtime_dir: str | None = None
         self.boots: dict[str, Bootstrap] = {}
         self.restarts = 0
@@ -234,13 +235,14 @@ class Runner:
             with contextlib.suppress(Exception):
                 self.registry.resolve("relay", relay_name).sweep(None)
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.secret = secrets.token_bytes(32)  # the control plane's MAC key (runtime.wire)
         self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
         os.chmod(self.runtime_dir, 0o700)
         launcher_cls = launcher_class(self.registry.resolve("launcher", cfg.launcher.name), cfg.launcher.name)
         self.launcher = launcher_cls(dict(cfg.launcher.options))
         plan, views = self._place(plan)
         self.plan = plan
-        self.endpoint.open(run_id=self.run_id, runtime_dir=self.runtime_dir, addresses=views[""])
+        self.endpoint.open(run_id=self.run_id, runtime_dir=self.runtime_dir, addresses=views[""], secret=self.secret)
         self.endpoint.listen()
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
         edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
@@ -258,6 +260,7 @@ class Runner:
                 parent_pid=os.getpid(),
                 followers=tuple(plan.followers(spec.name)),
                 cwd=os.getcwd(),
+                secret=self.secret,
             )
         for edge in plan.edges:
             self.log.info("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)

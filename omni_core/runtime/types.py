@@ -70,6 +70,8 @@ class Bootstrap:
     generation: int = 0
     floor: int = 0
     ended: tuple[int, ...] = ()
+    #: The run's secret: every control message carries a MAC made with it (runtime.wire).
+    secret: bytes = attrs.field(default=b"", repr=False)
 
 
 class Inbound:

@@ -7,9 +7,21 @@ for logs, stage contexts and user functions, and may be reused once its request 
 
 Ordering: a receiver handles the messages of one request in the order they were sent, whether or
 not they carry tensors (see :mod:`omni_core.runtime.ordered`).
+
+Authentication: every message between the processes of one pipeline run carries proof of the
+run's secret (made by the runner, handed to each stage process in its ``Bootstrap`` through the
+launcher, never on a command line or in the environment): its first frame is a keyed BLAKE2b
+MAC (:data:`MAC_BYTES` bytes) of the encoded message, then the message (:func:`seal`). A
+receiver drops and logs a message whose MAC does not verify (:func:`unseal`), so a process of
+the same user that does not hold the secret cannot forge a result, an abort or a ``Shutdown``.
+The MAC covers the first frame; the tensor frames of a message travel in the same zmq message,
+which zmq delivers whole from one sender.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import msgspec
 
@@ -162,3 +174,23 @@ _decoder = msgspec.msgpack.Decoder(Message | Batch)
 def decode(frame: bytes | memoryview) -> Message | Batch:
     """Decode one control message; raises msgspec.DecodeError on anything malformed."""
     return _decoder.decode(frame)
+
+
+#: Bytes of the MAC that starts every sealed message.
+MAC_BYTES = 16
+_blake2b = hashlib.blake2b
+_same = hmac.compare_digest
+
+
+def seal(secret: bytes, body: bytes) -> bytes:
+    """``body`` (an encoded message) with its MAC under the run's ``secret`` in front."""
+    return _blake2b(body, key=secret, digest_size=MAC_BYTES).digest() + body
+
+
+def unseal(secret: bytes, frame: memoryview) -> memoryview | None:
+    """The encoded message of a sealed ``frame``, or None when its MAC does not verify (not
+    made with the run's secret, or altered)."""
+    body = frame[MAC_BYTES:]
+    if len(frame) < MAC_BYTES or not _same(frame[:MAC_BYTES], _blake2b(body, key=secret, digest_size=MAC_BYTES).digest()):
+        return None
+    return body

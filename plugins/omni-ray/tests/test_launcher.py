@@ -224,8 +224,8 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
             again = await p.submit({"x": torch.ones(2), "sleep": 0})
             assert again["x"].tolist() == [4.0, 4.0]
 
-            # The same forged result sent with the run's keys does change the answer: the check
-            # above can fail.
+            # The same forged result sent with the run's keys and sealed with its control-plane
+            # secret does change the answer: the check above can fail.
             task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 30}))
             await wait_until_async(lambda: p.requests)
             rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
@@ -236,7 +236,7 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
             insider.curve_serverkey, insider.curve_publickey, insider.curve_secretkey = (
                 keys.server_public, keys.client_public, keys.client_secret)
             insider.connect(p.runner.launcher.tcp[""])
-            insider.send(wire.encode(wire.Data("result", rid, request_id, "c", "c", skeleton)))
+            insider.send(wire.seal(p.runner.secret, wire.encode(wire.Data("result", rid, request_id, "c", "c", skeleton))))
             assert (await task) == {"x": "forged"}
             insider.close(0)
 
