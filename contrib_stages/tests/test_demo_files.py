@@ -159,6 +159,8 @@ def sdk(server):
     ({"input": {"text": "hi", "max_tokens": 1000000000}}, "max_tokens", "'max_tokens' must be an integer from 1 to 64"),
     ({"input": {"text": "hi", "wav_path": "/tmp/x.wav"}}, "wav_path", "names a file on the server"),
     ({"input": {"text": "hi", "colour": "red"}}, "colour", "unknown input key(s) ['colour']"),
+    ({"input": {"text": "hi", "image": [[]]}}, "image", "'image' must be [h][w] or [h][w][3]"),
+    ({"input": {"text": "hi", "audio": [0.1] * 10}}, "audio", "at least 400 samples"),
 ])
 def test_each_client_mistake_is_a_400_after_one_post(sdk, body, field, words):
     client, posts = sdk

@@ -162,8 +162,9 @@ class Preprocess:
                 raise _bad_input("'image' must be a nested list of numbers ([h][w] or [h][w][3])", "image") from None
             if pixels.dim() == 2:
                 pixels = pixels.unsqueeze(-1).expand(-1, -1, 3)
-            if pixels.dim() != 3 or pixels.shape[-1] != 3:
-                raise _bad_input(f"'image' must be [h][w] or [h][w][3], got shape {tuple(pixels.shape)}", "image")
+            if pixels.dim() != 3 or pixels.shape[-1] != 3 or 0 in pixels.shape:
+                raise _bad_input(f"'image' must be [h][w] or [h][w][3] with h and w at least 1, got shape "
+                                 f"{tuple(pixels.shape)}", "image")
             pixels = pixels.permute(2, 0, 1).unsqueeze(0)
             return F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False).squeeze(0)
         # Stripes whose angle and colours come from the text.
