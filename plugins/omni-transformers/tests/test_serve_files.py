@@ -182,6 +182,9 @@ def test_each_chat_mistake_is_a_bad_request_after_one_post(sdk, messages, extra,
     ({"input": {"text": 5}}, "text"),
     ({"input": {"text": "hi", "max_new_tokens": 1000000000}}, "max_new_tokens"),
     ({"input": {"text": "hi", "audio": base64.b64encode(b"x").decode()}}, "audio"),
+    ({"input": {"text": "hi", "speaker": []}}, "speaker"),
+    ({"input": {"text": "hi", "system_prompt": 5}}, "system_prompt"),
+    ({"input": {"input_ids": [-1, 10**9]}}, "input_ids"),
 ])
 def test_each_core_route_mistake_is_a_bad_request_after_one_post(sdk, body, field):
     client, posts = sdk

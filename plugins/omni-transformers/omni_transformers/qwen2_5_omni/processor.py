@@ -137,6 +137,8 @@ class Processor:
                     parts.append({"type": "text", "text": text})
                 messages = [{"role": "user", "content": parts}]
         system = payload.get("system_prompt", self.system_prompt)
+        if system is not None and not isinstance(system, str):
+            raise InvalidInput(f"system_prompt must be a string, got {type(system).__name__}", field="system_prompt")
         if system and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}, *messages]
         return messages
@@ -233,12 +235,18 @@ class Processor:
                                  "with one 'audio' and one 'image'")
         if "input_ids" in payload:
             ids = payload["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-                raise InvalidInput("input_ids must be a non-empty list of ints", field="input_ids")
+            vocab = len(self.tokenizer)
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+                raise InvalidInput(f"input_ids must be a non-empty list of token ids (ints from 0 to {vocab - 1})",
+                                   field="input_ids")
             out: dict[str, Any] = {"input_ids": [int(i) for i in ids]}
         else:
             out = self.model_inputs(payload, ctx)
-        out.update(seed=request_seed(payload), speaker=payload.get("speaker", DEFAULT_SPEAKER))
+        speaker = payload.get("speaker", DEFAULT_SPEAKER)
+        if not isinstance(speaker, str):
+            raise InvalidInput(f"speaker must be a string (a voice's name), got {type(speaker).__name__}", field="speaker")
+        out.update(seed=request_seed(payload), speaker=speaker)
         for key in ("max_new_tokens", "talker_max_new_tokens"):
             value = payload.get(key)
             if value is not None:
