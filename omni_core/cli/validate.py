@@ -47,6 +47,9 @@ def validate(
         f"{config}: valid pipeline {cfg.name!r}: {len(cfg.stages)} stages, "
         f"{len(processes)} process groups, entry {cfg.entry!r}, terminal {', '.join(cfg.terminal_stages)}"
     )
+    to_caller = [s.name for s in cfg.stages if not s.terminal and "caller" in s.stream_to]
+    if to_caller:
+        summary += f", streaming to the caller {', '.join(to_caller)}"
     if as_json:
         result = {"valid": True, "name": cfg.name, "stages": cfg.stage_names}
         print(json.dumps({**result, "warnings": list(warnings)} if warnings else result, indent=2))

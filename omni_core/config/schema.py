@@ -14,6 +14,10 @@ import attrs
 #: values come from :meth:`omni_core.plan.topology.ProcessSpec.injected_args`.
 INJECTED_ARGS = ("stage_name", "device", "gpu_id", "tp_rank", "tp_size", "tp_init_method")
 
+#: The reserved stage name ``stream_to`` uses for the request's caller: a stage with
+#: ``stream_to: [caller]`` streams its chunks straight to the caller (as a terminal stage does).
+CALLER_STAGE = "caller"
+
 #: Field metadata read by the validator: the range a value must be in (checked with its config path).
 POSITIVE = {"check": "positive"}
 NON_NEGATIVE = {"check": "non_negative"}

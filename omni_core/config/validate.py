@@ -20,7 +20,7 @@ import attrs
 from ..contracts import launcher_class
 from ..errors import ConfigError, ConfigIssue, PluginError
 from ..registry import Registry, import_ref, is_dotted_path, signature_text
-from .schema import INJECTED_ARGS, PipelineConfig, StageConfig
+from .schema import CALLER_STAGE, INJECTED_ARGS, PipelineConfig, StageConfig
 
 
 @attrs.define
@@ -98,6 +98,9 @@ def unique_names(cfg: PipelineConfig, ctx: _Context) -> None:
     for i, stage in enumerate(cfg.stages):
         if not stage.name or stage.name != stage.name.strip() or any(c in stage.name for c in "/\\:\x00"):
             ctx.add(_sp(i, "name"), f"invalid stage name {stage.name!r}", "use letters, digits, '-', '_' or '.'")
+        if stage.name == CALLER_STAGE:
+            ctx.add(_sp(i, "name"), f"the stage name {CALLER_STAGE!r} is reserved (stream_to: [{CALLER_STAGE}] names "
+                    "the request's caller)", "give the stage another name")
         if stage.name in first:
             ctx.add(_sp(i, "name"), f"duplicate stage name {stage.name!r} (also stages[{first[stage.name]}])",
                     "give every stage its own name")
@@ -122,6 +125,11 @@ def _refs(ctx: _Context, i: int, field: str, names: Iterable[str], role: str) ->
     stage = ctx.cfg.stages[i]
     for k, name in enumerate(names):
         path = _sp(i, f"{field}[{k}]")
+        if field == "stream_to" and name == CALLER_STAGE:
+            if stage.terminal:
+                ctx.add(path, f"stage {stage.name!r} is terminal: its chunks already go to the caller",
+                        f"remove {CALLER_STAGE!r} from its stream_to")
+            continue
         if name not in ctx.names:
             ctx.unknown_stage(path, name, role)
         elif name == stage.name and field != "next":

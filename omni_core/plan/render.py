@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..config.schema import CALLER_STAGE
 from .placement import GpuLoad, amount_text, default_memory, gib, percent
 from .topology import OBJECT_RELAY, EdgeSpec, Plan, ProcessSpec, endpoints
 
@@ -105,6 +106,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "processes": [_process_dict(p, addresses[p.name]) for p in plan.processes],
         "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay, "local": e.local}
                   for e in plan.edges],
+        "caller_streams": _caller_streams(plan),
         "endpoints": {COORDINATOR: coordinator, "processes": addresses},
         "warnings": list(plan.warnings),
         **_nodes_dict(plan),
@@ -180,7 +182,8 @@ def render_text(plan: Plan) -> str:
     if plan.nodes:
         return _render_nodes(plan, lines)
     lines += ["", "edges"] + table(
-        ["from", "to", "kind", "relay"], [[e.src, e.dst, e.kind, _relay_text(e)] for e in plan.edges])
+        ["from", "to", "kind", "relay"], [[e.src, e.dst, e.kind, _relay_text(e)] for e in plan.edges]
+        + [[s, f"({CALLER_STAGE})", "stream", "to the caller"] for s in _caller_streams(plan)])
     coordinator, addresses = _endpoints(plan)
     lines += ["", "endpoints"] + table(["process", "address"], [[f"({COORDINATOR})", coordinator], *addresses.items()])
     lines += ["", "warnings"] + ([f"  - {w}" for w in plan.warnings] or ["  (none)"])
@@ -252,7 +255,13 @@ def render_mermaid(plan: Plan) -> str:
         arrow = "-->" if edge.kind == "next" else "-.->"
         lines.append(f"  {ids[edge.src]} {arrow}|{_mermaid_text(_edge_label(edge))}| {ids[edge.dst]}")
     lines += [f"  {ids[s]} --> output" for s in plan.config.terminal_stages]
+    lines += [f"  {ids[s]} -.->|stream| output" for s in _caller_streams(plan)]
     return "\n".join(lines) + "\n"
+
+
+def _caller_streams(plan: Plan) -> list[str]:
+    """The non-terminal stages streaming to the caller (``stream_to: [caller]``)."""
+    return [s.name for s in plan.config.stages if not s.terminal and CALLER_STAGE in s.stream_to]
 
 
 def _mermaid_text(text: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from ..capabilities import relay_capabilities
-from ..config.schema import INJECTED_ARGS, PipelineConfig, StageConfig
+from ..config.schema import CALLER_STAGE, INJECTED_ARGS, PipelineConfig, StageConfig
 from ..errors import ConfigError, ConfigIssue
 from ..registry import Registry
 from .placement import (
@@ -330,6 +330,8 @@ def build_edges(cfg: PipelineConfig, processes: Sequence[ProcessSpec], registry:
     for stage in cfg.stages:
         for kind, targets in (("next", stage.next), ("stream", stage.stream_to)):
             for dst in targets:
+                if kind == "stream" and dst == CALLER_STAGE:  # the caller's stream: no edge between stages
+                    continue
                 dst_cfg = cfg.stage(dst)
                 local = (
                     stage.process is not None

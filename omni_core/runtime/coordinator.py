@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from typing import Any
 
 from .. import tracing
-from ..config.schema import RETRYABLE_ERRORS, PipelineConfig, RetryConfig
+from ..config.schema import CALLER_STAGE, RETRYABLE_ERRORS, PipelineConfig, RetryConfig
 from ..errors import (
     InvalidInput,
     OmniError,
@@ -62,6 +62,9 @@ class Coordinator:
         self._processes: list[str] = []
         self._entry = config.entry
         self._terminals = tuple(config.terminal_stages)
+        #: non-terminal stages with ``caller`` in their stream_to: a request waits for their stream's end
+        self._caller_streams = frozenset(s.name for s in config.stages
+                                         if not s.terminal and CALLER_STAGE in s.stream_to)
         self._uses: dict[str, list[list[str]]] = {}
         self._batch = max(1, config.limits.stream_buffer // 4)
         self._behind: set[str] = set()  # processes that may remember ended requests
@@ -73,6 +76,7 @@ class Coordinator:
         endpoint.on_data(self)
         endpoint.on(wire.Failed, self._on_failed)
         endpoint.on(wire.Dropped, self._on_dropped)
+        endpoint.on(wire.StreamEnd, self._on_stream_end)
 
     def bind(self, plan: Plan) -> None:
         """Learn the plan: which processes keep per-request state, and which ones a request may
@@ -123,6 +127,8 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         req = Request(rid, request_id, loop.create_future(), expected, multi=len(expected) > 1,
                       events=asyncio.Queue() if streaming else None)
+        if self._caller_streams:
+            req.caller_streams, req.open_streams = self._caller_streams, set(self._caller_streams)
         if policy.attempts > 1:  # what a retry sends again
             req.attempts, req.retry_on, req.inputs = policy.attempts, policy.on, inputs
             req.from_network, req.terminals = from_network, frozenset(expected)
@@ -307,6 +313,17 @@ class Coordinator:
     def _on_dropped(self, msg: wire.Dropped) -> None:
         if msg.rid in self.requests:
             self.endpoint.in_order(msg.rid, lambda: self._dropped(msg))
+
+    def _on_stream_end(self, msg: wire.StreamEnd) -> None:
+        """A non-terminal stage ended its stream to the caller (after its last chunk)."""
+        if msg.rid in self.requests:
+            self.endpoint.in_order(msg.rid, lambda: self._stream_ended(msg))
+
+    def _stream_ended(self, msg: wire.StreamEnd) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:
+            req.open_streams.discard(msg.src)
+            self._maybe_complete(req)
 
     def _failed(self, msg: wire.Failed) -> None:
         req = self.requests.get(msg.rid)

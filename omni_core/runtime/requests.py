@@ -1,6 +1,8 @@
 """The coordinator's table entries for requests in flight, and when a request is complete.
 
-A request is complete when every terminal stage expected to answer has answered. Expected starts
+A request is complete when every terminal stage expected to answer has answered and every
+non-terminal stage streaming to the caller (``stream_to: [caller]``) that can still run ended that
+stream (its chunks are all in before the result). Expected starts
 as the per-request terminal set (``terminal_stages_fn``, else every terminal stage); when a stage
 routes away from some targets (``Dropped``), stages that can no longer be reached are removed from
 it, so routing never leaves a caller waiting for an answer that cannot come.
@@ -59,6 +61,9 @@ class Request:
     inputs: Any = None
     from_network: bool = False
     terminals: frozenset[str] = frozenset()
+    #: the non-terminal stages streaming to the caller, and those of them whose stream is still open
+    caller_streams: frozenset[str] = frozenset()
+    open_streams: set[str] = attrs.Factory(set)
 
     def again(self, rid: int) -> None:
         """Start the next attempt under ``rid``: what the failed one gathered is forgotten."""
@@ -72,9 +77,12 @@ class Request:
         self.past.clear()
         self.heard.clear()
         self.last_dropper = None
+        self.open_streams = set(self.caller_streams)
 
     @property
     def complete(self) -> bool:
+        if self.open_streams and not self.open_streams <= self.dead:
+            return False
         return self.expected <= self.results.keys()
 
     def value(self) -> Any:

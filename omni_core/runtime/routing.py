@@ -2,7 +2,8 @@
 
 ``Router.finish`` hands a finished call's result on (to the caller when the stage is terminal, to
 ``next``, and the end of its streams); ``Router.emit`` sends a stream chunk to every ``stream_to``
-stage and, for a terminal stage, to the caller, taking one credit of each stream's window first
+stage and, for a terminal stage or one with ``caller`` in its ``stream_to``, to the caller, taking
+one credit of each stream's window first
 (:mod:`.flow`). Targets in this process get objects; the others get the payload packed once and
 relayed.
 """
@@ -13,7 +14,7 @@ import copy
 from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config.schema import PipelineConfig
+from ..config.schema import CALLER_STAGE, PipelineConfig
 from ..plan.topology import OBJECT_RELAY, replica_index
 from ..relay.payload import pack
 from . import wire
@@ -117,10 +118,10 @@ class Router:
             targets = chosen_names(fns.route(request_id, result), cfg.next, f"route_fn {cfg.route_fn!r} of stage {cfg.name!r}")
         project = fns.project
         payloads = {t: (project[t](result) if t in project else result) for t in targets} if project else None
-        done_to = list(cfg.stream_to)
-        if cfg.stream_to and fns.stream_done is not None:
+        done_to = [t for t in cfg.stream_to if t != CALLER_STAGE]
+        if done_to and fns.stream_done is not None:
             answer = fns.stream_done(request_id, result)
-            done_to = [] if answer is None else chosen_names(answer, cfg.stream_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
+            done_to = [] if answer is None else chosen_names(answer, done_to, f"stream_done_to_fn {cfg.stream_done_to_fn!r} of stage {cfg.name!r}")
         endpoint = self.endpoint
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
@@ -137,17 +138,26 @@ class Router:
                 self.stages[target].on_stream_end(rid, cfg.name)
             else:
                 await endpoint.send(self.process(target, rid), wire.StreamEnd(rid, target, cfg.name))
+        if not cfg.terminal and CALLER_STAGE in cfg.stream_to:
+            # The caller's stream ended: after its last chunk on the same connection, so the
+            # request completes only once the caller has every chunk.
+            await endpoint.send(COORDINATOR, wire.StreamEnd(rid, CALLER_STAGE, cfg.name))
         self.windows.drop(rid, cfg.name)
 
     async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
-        """A chunk goes to every ``stream_to`` stage and, when the stage is terminal, to the
-        caller too; each consumer's window gives a credit first (waiting for one if needed)."""
+        """A chunk goes to every ``stream_to`` stage and, when the stage is terminal or streams to
+        ``caller``, to the caller too; each consumer's window gives a credit first (waiting for
+        one if needed)."""
         cfg = stage.cfg
         if not cfg.stream_to and not cfg.terminal:
             raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
         targets = []
         windows = self.windows
+        to_caller = cfg.terminal
         for target in cfg.stream_to:
+            if target == CALLER_STAGE:
+                to_caller = True
+                continue
             window = windows.get(rid, cfg.name, target)
             if window.credits > 0 and not window.closed:  # the common case, without a coroutine
                 window.credits -= 1
@@ -156,7 +166,7 @@ class Router:
                 targets.append(target)
         if targets:
             await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
-        if cfg.terminal and await self._credit(rid, cfg.name, CALLER):
+        if to_caller and await self._credit(rid, cfg.name, CALLER):
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self.endpoint.send_data(COORDINATOR, "event", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
                                           skeleton, tensors, self._trace(rid))
