@@ -182,3 +182,33 @@ def test_what_only_the_machine_s_packages_need_is_not_shipped(kit):
     reach, left = kit.needed(["silero-vad>=5.1", "uvicorn[standard]>=0.30"], resolved, kit.machine_environment())
     assert reach == {"silero-vad", "packaging", "uvicorn", "click", "h11", "websockets"}
     assert left == {"torch"}
+
+
+def gpu_check():
+    """gpu/check as a module (it has no .py suffix)."""
+    from importlib.machinery import SourceFileLoader
+
+    sys.path.insert(0, str(ROOT / "gpu"))  # gpu/check imports kit from beside it
+    loader = SourceFileLoader("omni_gpu_check", str(ROOT / "gpu" / "check"))
+    spec = importlib.util.spec_from_loader("omni_gpu_check", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_installs_what_the_collected_distributions_require_and_the_venv_lacks_never_torch(tmp_path):
+    """The dry run collects the GPU tests of every distribution with the README's venv, which has
+    only omni-core and omni-contrib-stages: it installs the rest (and what they require that the
+    venv lacks) into a folder of its own. Which requirements: a distribution's and its [test]
+    extra's that nothing installed satisfies, never torch."""
+    check = gpu_check()
+    info = tmp_path / "site" / "omnitest_needs-1.0.dist-info"
+    info.mkdir(parents=True)
+    info.joinpath("METADATA").write_text(
+        "Metadata-Version: 2.1\nName: omnitest-needs\nVersion: 1.0\n"
+        "Requires-Dist: torch>=99\nRequires-Dist: pytest>=1\nRequires-Dist: omnitest-absent>=2\n"
+        "Requires-Dist: pytest>=999 ; extra == 'docs'\nRequires-Dist: omnitest-absent-test ; extra == 'test'\n")
+    found = subprocess.run([sys.executable, "-c", check.MISSING_REQUIREMENTS, "omnitest-needs"], capture_output=True,
+                           text=True, env=check.site_env(tmp_path / "site"), timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["omnitest-absent>=2", "omnitest-absent-test"]
