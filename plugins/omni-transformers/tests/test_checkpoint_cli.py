@@ -62,3 +62,16 @@ def test_omni_run_on_a_checkpoint_folder_and_with_model_answers_from_that_checkp
     assert by_model.returncode == 0, by_model.stderr
     first, second = json.loads(by_folder.stdout), json.loads(by_model.stdout)
     assert first["completion_tokens"] == 4 and first["token_ids"] == second["token_ids"]
+
+
+def test_omni_serve_on_a_checkpoint_folder_serves_its_familys_pipeline_with_the_openai_sdk(tiny_model, tmp_path):
+    import openai
+    from omni_core.testing.serve import ServerProcess
+
+    srv = ServerProcess(str(tiny_model), env={"OMNI_TRANSFORMERS_MODEL": ""}, cwd=str(tmp_path), ready_timeout=300)
+    with srv.serving(stop_timeout=120):
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["qwen2_5_omni"]
+        reply = client.chat.completions.create(model="qwen2_5_omni", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, modalities=["text"])
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
