@@ -10,6 +10,8 @@
   tests of one's own.
 - :mod:`omni_core.testing.leaks`: the ``no_leaks`` fixture and helpers that check a test left no
   stage process, runtime directory or /dev/shm segment behind.
+- :mod:`omni_core.testing.serve` and :mod:`omni_core.testing.fuzz`: ``ServerProcess``, a real
+  ``omni serve`` for a test; ``fuzz_server``, hypothesis over its ``GET /openapi.json``.
 - :mod:`omni_core.testing.cuda`: the ``cuda`` marker (``@pytest.mark.cuda(devices=2)``): GPU tests
   skip without CUDA and fail instead under ``OMNI_REQUIRE_CUDA=1``.
 

@@ -54,7 +54,7 @@ DATA_URLS = st.sampled_from([
 ])
 B64 = st.one_of(st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()),
                 st.sampled_from(["", "!!!", "UklGRiQAAABXQVZF", base64.b64encode(b"RIFF\x00\x00\x00\x00WAVEfmt ").decode()]))
-WORDS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
+WORDS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30)
 ANY = st.one_of(JSON, PATHS, DATA_URLS)
 
 # -- the demo's inputs and the OpenAI body --------------------------------------------------------------
