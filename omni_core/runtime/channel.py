@@ -76,7 +76,7 @@ class Inbox:
         #: (the first ones earlier, by the outbox's flush schedule).
         self.outbox = outbox
         #: The run's secret: a message whose MAC does not verify is dropped (b"": no MAC).
-        self.secret = secret
+        self.sealer = wire.Sealer(secret) if secret else None
         self.refused = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -121,8 +121,8 @@ class Inbox:
                 return
             handled += 1
             body = frames[0].buffer
-            if self.secret:
-                body = wire.unseal(self.secret, body)
+            if self.sealer is not None:
+                body = self.sealer.unseal(body)
                 if body is None:
                     self.refused += 1
                     log.warning("refused a control message without the run's MAC", inbox=self.name,
@@ -172,7 +172,6 @@ class Outbox:
 
     def __init__(self, ctx: zmq.Context, secret: bytes = b""):
         self.ctx = ctx
-        #: The run's secret: every message leaves sealed with its MAC (b"": none).
         self.secret = secret
         self._socks: dict[str, zmq.Socket] = {}
         self._backlog: dict[str, deque] = {}
@@ -194,17 +193,28 @@ class Outbox:
             self._socks[address] = sock
         return sock
 
+    @property
+    def secret(self) -> bytes:
+        """The run's secret: every message leaves sealed with its MAC (b"": none)."""
+        return self._secret
+
+    @secret.setter
+    def secret(self, secret: bytes) -> None:
+        self._secret = secret
+        self._seal = wire.Sealer(secret).seal if secret else None
+
     def _try(self, sock: zmq.Socket, msg: Any, frames: Sequence[Any]) -> bool:
+        seal = self._seal
         try:
             if frames:  # part by part (send_multipart costs twice as much); atomic all the same:
                 # zmq takes the later parts of a message whose first part it took
                 send = sock.send
-                send(wire.seal(self.secret, wire.encode(msg)) if self.secret else wire.encode(msg), _SNDMORE, copy=False)
+                send(seal(wire.encode(msg)) if seal is not None else wire.encode(msg), _SNDMORE, copy=False)
                 for frame in frames[:-1]:
                     send(frame, _SNDMORE, copy=False)
                 send(frames[-1], _NOBLOCK, copy=False)
             else:
-                sock.send(wire.seal(self.secret, wire.encode(msg)) if self.secret else wire.encode(msg), _NOBLOCK)
+                sock.send(seal(wire.encode(msg)) if seal is not None else wire.encode(msg), _NOBLOCK)
             return True
         except zmq.Again:
             return False

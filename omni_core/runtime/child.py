@@ -86,6 +86,7 @@ class Heart:
         sock.setsockopt(zmq.SNDHWM, 16)
         connect(sock, self.boot.addresses[""])  # CurveZMQ keys when the coordinator is on another node
         name, pid, generation = self.boot.process.name, os.getpid(), self.boot.generation
+        seal = wire.Sealer(self.boot.secret).seal if self.boot.secret else None
         warned = False
         try:
             while not self._stop.wait(self.interval):
@@ -104,7 +105,7 @@ class Heart:
                         warned = False
                 with contextlib.suppress(zmq.ZMQError):
                     beat = wire.encode(wire.Heartbeat(name, pid, generation, lag))
-                    sock.send(wire.seal(self.boot.secret, beat) if self.boot.secret else beat, zmq.NOBLOCK)
+                    sock.send(seal(beat) if seal is not None else beat, zmq.NOBLOCK)
         finally:
             sock.close(linger=0)
             ctx.term()

@@ -178,19 +178,42 @@ def decode(frame: bytes | memoryview) -> Message | Batch:
 
 #: Bytes of the MAC that starts every sealed message.
 MAC_BYTES = 16
-_blake2b = hashlib.blake2b
 _same = hmac.compare_digest
 
 
+class Sealer:
+    """Seals and checks messages under one run's secret. The keyed hash state is made once and
+    copied per message (a third of the cost of keying it each time)."""
+
+    __slots__ = ("_keyed",)
+
+    def __init__(self, secret: bytes):
+        if len(secret) < 16:
+            raise ValueError("the control plane's secret must have at least 16 bytes")
+        self._keyed = hashlib.blake2b(key=secret, digest_size=MAC_BYTES)
+
+    def seal(self, body: bytes) -> bytes:
+        """``body`` (an encoded message) with its MAC in front."""
+        h = self._keyed.copy()
+        h.update(body)
+        return h.digest() + body
+
+    def unseal(self, frame: memoryview) -> memoryview | None:
+        """The encoded message of a sealed ``frame``, or None when its MAC does not verify (not
+        made with the run's secret, or altered)."""
+        if len(frame) < MAC_BYTES:
+            return None
+        body = frame[MAC_BYTES:]
+        h = self._keyed.copy()
+        h.update(body)
+        return body if _same(frame[:MAC_BYTES], h.digest()) else None
+
+
 def seal(secret: bytes, body: bytes) -> bytes:
-    """``body`` (an encoded message) with its MAC under the run's ``secret`` in front."""
-    return _blake2b(body, key=secret, digest_size=MAC_BYTES).digest() + body
+    """``body`` sealed under ``secret`` (see :class:`Sealer`, which keeps the key's state)."""
+    return Sealer(secret).seal(body)
 
 
 def unseal(secret: bytes, frame: memoryview) -> memoryview | None:
-    """The encoded message of a sealed ``frame``, or None when its MAC does not verify (not
-    made with the run's secret, or altered)."""
-    body = frame[MAC_BYTES:]
-    if len(frame) < MAC_BYTES or not _same(frame[:MAC_BYTES], _blake2b(body, key=secret, digest_size=MAC_BYTES).digest()):
-        return None
-    return body
+    """The message of ``frame`` if its MAC verifies under ``secret``, else None."""
+    return Sealer(secret).unseal(frame)
