@@ -205,4 +205,4 @@ def test_bad_inputs_fail_in_preprocess_with_an_example(demo, inputs, message):
     with pytest.raises(StageError, match=message) as info:
         call(pipeline.submit(inputs))
     assert info.value.stage == "preprocess"
-    assert '{"text": "hello omni", "wav_path": "hello.wav"}' in str(info.value)
+    assert '{"text": "hello omni", "max_tokens": 5}' in str(info.value)

@@ -28,7 +28,8 @@ from .models import PATTERN, VOCAB, Synth, TalkerLM, ThinkerLM, VocoderNet, to_p
 #: The sample rate of the input audio the preprocess stage makes or accepts.
 INPUT_SAMPLE_RATE = 16000
 
-EXAMPLE = '{"text": "hello omni", "wav_path": "hello.wav"}'
+#: The inputs error messages show: what works from anywhere (a wav_path is a server path, refused over the network).
+EXAMPLE = '{"text": "hello omni", "max_tokens": 5}'
 
 
 def _seeded(seed: int, build):
