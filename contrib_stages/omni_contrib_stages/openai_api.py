@@ -677,14 +677,8 @@ def make_routes(api: Any) -> list[Any]:
         request.scope.setdefault("state", {})["omni_request_id"] = rid
         n = len(req["choices"])
         ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        streams = []
-        try:
-            for inputs, request_id in zip(req["choices"], ids):
-                streams.append(api.stream(inputs, request_id=request_id, headers=request.headers))
-        except Exception as exc:
-            for events in streams:
-                await events.aclose()
-            return failed(exc)
+        streams = [api.stream(inputs, request_id=request_id, headers=request.headers)
+                   for inputs, request_id in zip(req["choices"], ids, strict=True)]
         events = streams[0] if n == 1 else _merged(streams)
         if req["stream"]:
             return await _streamed(request, rid, req, events, n)

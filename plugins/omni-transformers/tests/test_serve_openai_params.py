@@ -34,6 +34,7 @@ def server(tiny_model, tmp_path_factory):
     config = yaml.safe_load((package_files("omni_transformers") / "pipelines/qwen2_5_omni.yaml").read_text())
     assert config["serve"]["apis"] == ["openai", "realtime"]
     config["serve"]["options"]["openai"]["inputs"]["talker_max_new_tokens"] = TALKER_CODES
+    config["serve"]["options"]["openai"]["inputs"]["max_new_tokens"] = 8  # when a client sets no limit
     path = tmp_path_factory.mktemp("config") / f"{MODEL}.yaml"
     path.write_text(yaml.safe_dump(config))
     srv = ConsoleServer(str(path), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
@@ -143,13 +144,22 @@ def test_a_media_error_names_the_clients_message_index(client, posts):
         assert where in caught.value.body["message"] and "wav_path" not in caught.value.body["message"]
 
 
-def test_the_config_mounts_realtime(server):
-    import asyncio
+def test_the_config_mounts_realtime_and_the_docs_script_gets_speech(server, tmp_path):
+    """docs/serving.md's realtime quickstart with ``model="qwen2_5_omni"``, as the docs say."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    async def session() -> str:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        async with client.realtime.connect(model=MODEL) as conn:
-            event = await asyncio.wait_for(conn.recv(), 60)
-            return event.type
-
-    assert asyncio.run(session()) == "session.created"
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()
+    section = docs[docs.index("\n## Realtime\n"):]
+    quickstart = re.findall(r"```python\n(.*?)```", section[: section.index("\n## ", 1)], re.S)[0]
+    assert 'model="demo"' in quickstart
+    (tmp_path / "quickstart.py").write_text(quickstart.replace('model="demo"', f'model="{MODEL}"'))
+    out = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, env={**os.environ, "OMNI_URL": server.url},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.strip().splitlines()[-1]
+    seconds, tokens = re.fullmatch(r"completed: (\d+\.\d\d) s of audio, (\d+) tokens", summary).groups()
+    assert float(seconds) > 0 and 0 < int(tokens) <= 8, summary
