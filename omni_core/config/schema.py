@@ -88,7 +88,7 @@ class RestartConfig:
 
 
 #: The errors a request may be retried after: its process died or hung (it is restarted).
-RETRYABLE_ERRORS = ("ProcessDied", "ProcessHung")
+RETRYABLE_ERRORS: tuple[Literal["ProcessDied", "ProcessHung"], ...] = ("ProcessDied", "ProcessHung")
 
 
 @attrs.frozen(kw_only=True)

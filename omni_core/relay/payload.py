@@ -78,8 +78,7 @@ def pack(payload: Any, *, allow_pickle: bool = False) -> tuple[bytes, list[torch
     if not _plain(payload):
         found = find_refused(payload)
         if found is not None:
-            path, why = found
-            raise PayloadError(f"payload cannot be sent at payload{path}: {why}")
+            raise PayloadError(f"payload cannot be sent at payload{found[0]}: {found[1]}")
     outer = (_state.tensors, _state.allow_pickle)  # a hook may pack again (pickle of a payload)
     _state.tensors, _state.allow_pickle = tensors, allow_pickle
     try:
