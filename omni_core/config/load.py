@@ -531,8 +531,11 @@ def load_config(
     rules find in the rest. Names are resolved through ``registry`` (default: the registry of the
     installed plugins). ``import_factories`` and ``serve`` are :func:`~omni_core.config.collect_issues`'s.
     """
+    issues: list[ConfigIssue] = []
+    replaced: tuple[str, ...] = ()
+    source: str | None = None
     if isinstance(config, PipelineConfig):
-        cfg, source, issues, replaced = config, None, [], ()
+        cfg = config
     else:
         if isinstance(config, Mapping):
             data, source = dict(config), None
