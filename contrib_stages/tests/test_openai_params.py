@@ -302,3 +302,20 @@ def test_a_stage_bug_is_a_500_logged_at_error_with_its_traceback(echo, echo_clie
     assert record["level"] == "error" and "crashed on purpose" in record["traceback"]
     # The server goes on.
     assert echo_client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "ok"}]).choices
+
+
+def test_n_choices_usage_counts_the_prompt_once_streamed_or_not(echo_client):
+    messages = [{"role": "user", "content": "hi"}]
+    done = echo_client.chat.completions.create(model="echo", messages=messages, n=2, seed=1)
+    completion = [len(c.message.content) // 7 + 1 for c in done.choices]  # the echo stage's count
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+        3, sum(completion), 3 + sum(completion))
+    chunks = list(echo_client.chat.completions.create(model="echo", messages=messages, n=2, seed=1, stream=True,
+                                                      stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == done.usage
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in done.choices]
