@@ -1,0 +1,62 @@
+"""``omni serve`` when the process holding a request dies before its first event: with
+``retry`` the request runs again once the process is back and the client gets its answer
+(200); without, a 503 with ``Retry-After`` (never a 500). Counted in ``/metrics``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve_http import metric
+
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+HERE = Path(__file__).parent
+ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def until(predicate, deadline: float = 30.0) -> bool:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _killed_mid_request(name: str) -> tuple[httpx.Response, str]:
+    server = ServerProcess(str(HERE / "configs" / "serve" / f"{name}.yaml"), env=ENV).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            answer: list[httpx.Response] = []
+            sender = threading.Thread(target=lambda: answer.append(client.post(
+                f"/v1/pipelines/{name}/requests", json={"input": {"sleep": 2.0, "x": 5}})))
+            sender.start()
+            assert until(lambda: metric(client.get("/metrics").text, "omni_requests_in_flight", pipeline=name) == 1)
+            pid = client.get("/v1/pipelines").json()["pipelines"][0]["processes"]["nap"]
+            os.kill(pid, signal.SIGKILL)
+            sender.join(60)
+            assert answer, "no answer"
+            return answer[0], client.get("/metrics").text
+    finally:
+        server.stop()
+
+
+def test_a_retryable_request_whose_process_died_is_answered():
+    response, metrics = _killed_mid_request("retrying")
+    assert response.status_code == 200, response.text
+    assert response.json()["result"] == {"sleep": 2.0, "x": 5}
+    assert metric(metrics, "omni_request_retries_total", pipeline="retrying", error="ProcessDied") == 1
+
+
+def test_without_retry_the_request_gets_503_with_retry_after_never_500():
+    response, _ = _killed_mid_request("notretrying")
+    assert response.status_code == 503, response.text
+    assert response.headers.get("Retry-After") and response.json()["error"]["type"] == "ProcessDied"
