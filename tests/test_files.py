@@ -112,3 +112,16 @@ def test_invalid_input_is_a_value_error_naming_its_field():
     exc = InvalidInput("max_tokens must be at most 64", field="max_tokens")
     assert isinstance(exc, ValueError) and exc.field == "max_tokens" and str(exc) == "max_tokens must be at most 64"
     assert InvalidInput("bad").field is None
+
+
+def test_serve_allow_local_files_is_a_directory_or_null():
+    from omni_core import ConfigError, load_config
+
+    base = {"name": "p", "stages": [{"name": "a", "factory": "x.y", "terminal": True}]}
+    assert load_config(base, validate=False).serve.allow_local_files is None
+    assert load_config({**base, "serve": {"allow_local_files": "/srv/files"}},
+                       validate=False).serve.allow_local_files == "/srv/files"
+    for bad in (True, "", 5):
+        with pytest.raises(ConfigError, match=r"serve\.allow_local_files: expected the directory requests may name "
+                                              r"files in \(a path\), or null for none"):
+            load_config({**base, "serve": {"allow_local_files": bad}}, validate=False)

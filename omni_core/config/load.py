@@ -96,6 +96,15 @@ def _strict(tp: type):
     return hook
 
 
+def _directory(value: Any, _: Any) -> str | None:
+    """``serve.allow_local_files``: a directory, or null."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _TypeMismatch("the directory requests may name files in (a path), or null for none", value)
+    return value
+
+
 def _names(value: Any, _: Any) -> tuple[str, ...]:
     """A stage name or a list of them."""
     if isinstance(value, str):
@@ -242,7 +251,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(LimitsConfig, _section(conv, LimitsConfig, "max_in_flight, timeouts, ..."))
     conv.register_structure_hook(
         ServeConfig,
-        _section(conv, ServeConfig, "apis, options", options=cattrs.gen.override(struct_hook=_api_options)),
+        _section(conv, ServeConfig, "apis, options", options=cattrs.gen.override(struct_hook=_api_options),
+                 allow_local_files=cattrs.gen.override(struct_hook=_directory)),
     )
     conv.register_structure_hook(
         StageConfig,
