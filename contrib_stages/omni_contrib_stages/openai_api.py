@@ -140,9 +140,9 @@ def _prompt_checks(messages: Any) -> None:
             "'messages' must be a non-empty list of {role, content} objects", "messages"
         )
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message:
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise BadRequest(
-                f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]"
+                f"messages[{i}] must be an object with 'role' (a string) and 'content'", f"messages[{i}]"
             )
     if not any(m["role"] == "user" for m in messages):
         raise BadRequest("'messages' needs at least one message with role 'user'", "messages")
@@ -153,7 +153,8 @@ def _prompt(messages: Any) -> str:
     content = [m for m in messages if m["role"] == "user"][-1].get("content")
     if isinstance(content, list):  # content parts: keep the text ones
         content = " ".join(
-            p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+            p["text"] for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
         )
     if not isinstance(content, str) or not content.strip():
         raise BadRequest("the last user message needs text content", "messages")
@@ -395,7 +396,7 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     modalities = body.get("modalities") or ["text"]
     if (
         not isinstance(modalities, list)
-        or not set(modalities) <= {"text", "audio"}
+        or not all(m in ("text", "audio") for m in modalities)
         or "text" not in modalities
     ):
         raise BadRequest('\'modalities\' must be ["text"] or ["text", "audio"]', "modalities")
