@@ -748,3 +748,85 @@ async def test_nothing_is_left_behind_after_many_mixed_requests(rigs):
     work = rig.ep.of_type(wire.Data, to="src")
     assert [m.rid for m in work] == list(range(1, 201))
     assert [unpack(m.skeleton, [])["i"] for m in work] == list(range(1, 201))
+
+
+# -- where a request is, retries, what a restarted process is told ---------------------------------
+
+
+@aio
+async def test_a_death_spares_the_requests_the_caller_heard_from_past_the_dead_stage(rigs):
+    from omni_core.errors import ProcessDied
+
+    rig = rigs(stage("a", next="b"), stage("b", next="c"), stage("c", terminal=True))
+    past = await rig.submit()
+    before = await rig.submit()
+    rig.ep.receive_data("event", 1, "c", {"i": 0}, src="c", origin="c")  # request 1 is streaming from c
+    assert rig.co.fail_where({"b"}, lambda req: ProcessDied(process="b", pid=1, request_id=req.request_id)) == 1
+    with pytest.raises(ProcessDied):
+        await before
+    assert rig.co.processes_of(1, rig.co.requests[1].past) == {"c"}
+    rig.result(1, "c", "done")
+    assert await past == "done"
+    rig.assert_empty()
+
+
+@aio
+async def test_a_retryable_request_runs_again_under_a_new_rid_once_running(rigs):
+    from omni_core.errors import ProcessDied
+
+    rig = rigs(*LINE, retry={"attempts": 2}, restart="on-failure", limits={"request_timeout": 30})
+    task = await rig.submit({"text": "x"}, request_id="mine")
+    died = lambda req: ProcessDied(process="b", pid=1, request_id=req.request_id)  # noqa: E731
+    rig.lc.set("restarting")
+    assert rig.co.fail_where({"b"}, died) == 1
+    assert not task.done() and rig.co.by_id == {"mine": 2} and list(rig.co.requests) == [2]
+    assert ("Abort", "a", 1, 2) in rig.ends()
+    assert rig.co.ended() == (2, ())
+    await turns()
+    assert len([m for m in rig.sent_to("a") if type(m) is wire.Data]) == 1, "nothing is sent while the group restarts"
+    rig.lc.set("running")
+    await until(lambda: len([m for m in rig.sent_to("a") if type(m) is wire.Data]) == 2, "the retry sent")
+    again = [m for m in rig.sent_to("a") if type(m) is wire.Data][-1]
+    assert (again.rid, again.request_id) == (2, "mine")
+    rig.result(1, "b", "from the failed attempt")  # dropped: that attempt ended
+    rig.result(2, "b", "answer", request_id="mine")
+    assert await task == "answer"
+    assert rig.co.retries == {"ProcessDied": 1}
+    # the last attempt fails for good
+    task = await rig.submit({"text": "y"})
+    rig.lc.set("restarting")
+    rig.co.fail_where({"b"}, died)
+    rig.lc.set("running")
+    await until(lambda: rig.co.requests and next(iter(rig.co.requests)) == 4, "retried")
+    rig.co.fail_where({"b"}, died)
+    with pytest.raises(ProcessDied):
+        await task
+    rig.assert_empty()
+
+
+@aio
+async def test_a_retry_waiting_for_the_restart_fails_with_the_first_error_if_the_pipeline_stops(rigs):
+    from omni_core.errors import ProcessDied
+
+    rig = rigs(*LINE, retry={"attempts": 3}, restart="on-failure")
+    task = await rig.submit()
+    rig.lc.set("restarting")
+    rig.co.fail_where({"a"}, lambda req: ProcessDied(process="a", pid=1, request_id=req.request_id))
+    rig.lc.set("stopping")
+    with pytest.raises(ProcessDied):
+        await task
+    rig.assert_empty()
+
+
+@aio
+async def test_a_restarted_process_is_told_the_floor_and_the_requests_ended_above_it(rigs):
+    rig = rigs(*LINE)
+    tasks = [await rig.submit() for _ in range(5)]
+    rig.result(2, "b", 2)
+    rig.result(4, "b", 4)
+    rig.co.abort("req-1")
+    assert rig.co.ended() == (3, (4,))
+    for rid in (3, 5):
+        rig.result(rid, "b", rid)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert rig.co.ended() == (6, ())

@@ -105,6 +105,29 @@ def test_messages_of_a_request_the_receiver_no_longer_wants_are_dropped(endpoint
     assert receiver.delivered == [] and receiver.rejected == []
 
 
+def test_a_message_dropped_unread_releases_its_relay_slot_at_the_sender(endpoint):
+    from omni_core.relay.base import RelayContext
+    from omni_core.relay.shm import ShmRelay
+
+    ep, receiver = endpoint
+    sender = ShmRelay(RelayContext("test-run", "a", "/nonexistent", {"inline_below": 0, "slots": 2}))
+
+    async def main():
+        receiver.ended.add(9)
+        for _ in range(2):  # both slots: dropped unread, each released at the sender
+            transfer = await sender.put(9, [torch.ones(4)], "coordinator")
+            ep.receive(wire.Data("result", 9, "r9", "a", "a", b"\x80", "shm", transfer.handle))
+            assert sender.debug_state()["sent"] == 0
+        split = wire.Data("result", 9, "r9", "a", "a", b"\x80", "+split", b"not a split handle")
+        ep.receive(split)  # a handle that does not decode frees nothing and breaks nothing
+
+    try:
+        run(main())
+        assert receiver.delivered == [] and receiver.rejected == []
+    finally:
+        sender.close()
+
+
 def test_other_messages_go_to_the_handler_registered_for_their_type(endpoint):
     ep, _ = endpoint
     got = []
