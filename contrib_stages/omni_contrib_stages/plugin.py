@@ -117,7 +117,8 @@ OPENAI_OPTIONS: dict[str, Option] = {
                               "false: left out, for a model that needs its own system prompt"),
     "sampling": Option("mapping", {}, "the sampling parameters the pipeline honours, OpenAI name -> input key "
                        "(temperature, top_p, top_k, seed, stop, presence_penalty, frequency_penalty); a parameter "
-                       "not mapped is refused (400) unless it is absent, null or OpenAI's default"),
+                       "not mapped is refused (400) unless it is absent, null or OpenAI's default (stop not "
+                       "mapped: the API cuts the text itself)"),
     "max_tokens_limit": Option("positive_int", None, "the largest max_tokens / max_completion_tokens the pipeline "
                                "takes; more is refused (400) before the request runs (null: no limit here)",
                                nullable=True),
