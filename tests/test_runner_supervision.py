@@ -191,8 +191,14 @@ class FakeRequests:
     def abort_all(self, reason) -> None:
         self.calls.append(("abort_all", reason))
 
+    #: what ended() answers: (floor, requests ended above it)
+    ended_now: tuple = (0, ())
+
+    asked_ended = 0
+
     def ended(self):
-        return 0, ()
+        self.asked_ended += 1
+        return self.ended_now
 
     def in_flight(self) -> int:
         return 0
@@ -883,3 +889,22 @@ def test_debug_state_gathers_the_state_reports_of_the_live_processes(rig):
         r.endpoint.receive(wire.StateReport(query.token, "a", {"requests": 9}))
 
     run(r, body)
+
+
+def test_a_restarted_process_boots_knowing_the_floor_ended_requests_and_the_run_secret(rig):
+    r = rig(two(), restart={"policy": "on-failure", "max_restarts": 1})
+
+    async def body():
+        await r.started()
+        first = r.proc("b").boot
+        assert (first.floor, first.ended) == (0, ()) and len(first.secret) == 32
+        r.requests.ended_now = (7, (8, 10))
+        r.proc("b").die(-9)
+        again = (await r.relaunched("b", 1)).boot
+        assert (again.floor, again.ended) == (7, (8, 10)) and again.secret == first.secret
+        assert "secret=" not in repr(again) and repr(again.secret) not in repr(again)
+        r.ready("b")
+        await until(lambda: r.state == "running", "running again")
+
+    run(r, body)
+    assert r.requests.asked_ended == 1
