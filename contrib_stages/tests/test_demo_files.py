@@ -101,6 +101,17 @@ def test_without_allow_local_files_no_wav_path_is_taken_and_nothing_is_written(h
     assert (places["outside"] / "exists.wav").read_bytes() == b"not mine"
 
 
+def test_the_consoles_playground_refuses_a_wav_path_too(http, places):
+    before = snapshot(places["cwd"], places["outside"])
+    value = str(places["outside"] / "console.wav")
+    with http.stream("POST", "/console/requests", json={"input": {"text": "hi", "wav_path": value}}) as r:
+        events = sse_events(list(r.iter_lines()))
+    kind, data = events[-1]
+    error = json.loads(data)
+    assert kind == "error" and (error["type"], error["field"]) == ("InvalidInput", "wav_path")
+    assert snapshot(places["cwd"], places["outside"]) == before
+
+
 def test_a_request_without_wav_path_writes_no_file(http, places):
     before = snapshot(places["cwd"])
     r = http.post(REQUESTS, json={"input": {"text": "hello omni", "max_tokens": 2}})
