@@ -61,13 +61,14 @@ class SyncPipeline:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def submit(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None) -> Any:
-        """Run one request and return its result (see ``Pipeline.submit``)."""
-        return self._call(self.pipeline.submit(inputs, request_id=request_id), timeout)
+    def submit(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None,
+               retry: Any = None) -> Any:
+        """Run one request and return its result (see ``Pipeline.submit``; ``retry`` too)."""
+        return self._call(self.pipeline.submit(inputs, request_id=request_id, retry=retry), timeout)
 
-    def stream(self, inputs: Any, *, request_id: str | None = None) -> Iterator[Event]:
-        """Yield the request's events as they arrive (see ``Pipeline.stream``)."""
-        agen = self.pipeline.stream(inputs, request_id=request_id)
+    def stream(self, inputs: Any, *, request_id: str | None = None, retry: Any = None) -> Iterator[Event]:
+        """Yield the request's events as they arrive (see ``Pipeline.stream``; ``retry`` too)."""
+        agen = self.pipeline.stream(inputs, request_id=request_id, retry=retry)
         try:
             while True:
                 try:
