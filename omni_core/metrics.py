@@ -74,6 +74,22 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 #: Gauges the stage processes count: a dead process's last value is not summed.
 PROCESS_GAUGES = ("omni_stage_in_flight",)
 
+METRIC_KINDS = ("counter", "gauge", "histogram")
+
+
+def define(name: str, kind: str, help_text: str, labels: tuple[str, ...]) -> None:
+    """Add a metric of a plugin (an API of ``omni serve``, say) to :data:`DEFINITIONS`, so that
+    the Prometheus text shows it. Defining the same metric again is a no-op; another definition
+    under a defined name is a ValueError naming both."""
+    if kind not in METRIC_KINDS:
+        raise ValueError(f"metric {name!r}: kind must be one of {', '.join(METRIC_KINDS)}, got {kind!r}")
+    if not name.startswith("omni_") or not name.replace("_", "").isalnum():
+        raise ValueError(f"metric {name!r}: a name starts with 'omni_' and holds letters, digits and '_'")
+    wanted = (kind, help_text, tuple(labels))
+    have = DEFINITIONS.setdefault(name, wanted)
+    if have != wanted:
+        raise ValueError(f"metric {name!r} is defined already as {have}; cannot define it as {wanted}")
+
 Labels = tuple[str, ...]
 
 
@@ -90,6 +106,11 @@ class Store:
     def inc(self, name: str, labels: Labels, value: float = 1.0) -> None:
         series = self.values.setdefault(name, {})
         series[labels] = series.get(labels, 0.0) + value
+        self.version += 1
+
+    def set(self, name: str, labels: Labels, value: float) -> None:
+        """A gauge's value."""
+        self.values.setdefault(name, {})[labels] = float(value)
         self.version += 1
 
     def observe(self, name: str, labels: Labels, seconds: float) -> None:

@@ -66,18 +66,32 @@ is then ``"stop"``. A streamed response's last choice chunk has the finish reaso
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
 import uuid
-import wave
 from collections.abc import Mapping
 from typing import Any
 
 from omni_core.logs import get_logger
 from omni_core.options import parse_options
 
+from .api_common import (
+    FINISH_REASONS,
+    audio_of,
+    check_stages,
+    final_text,
+    pcm16,
+    rate_of,
+    stage_part,
+    text_of,
+    text_stage_for,
+    usage_of,
+    wav_bytes,
+)
 from .plugin import OPENAI_OPTIONS as OPTIONS
+
+_final_text = final_text  # the name the tests and earlier releases used
+__all__ = ["FINISH_REASONS", "pcm16", "stage_part", "usage_of", "wav_bytes"]
 
 #: Adapter options and their defaults (the schema is :data:`.plugin.OPENAI_OPTIONS`).
 DEFAULTS: dict[str, Any] = {name: option.default for name, option in OPTIONS.items()}
@@ -107,15 +121,7 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     """The adapter's options with defaults, checked against the schema the API registered (an
     ``OptionsError``, a ValueError, lists every problem with its path) and against the pipeline."""
     opts = parse_options(OPTIONS, options, "serve.options.openai", owner="API 'openai'")
-    terminals = list(pipeline_config.terminal_stages)
-    if opts["text_stage"] is None:
-        opts["text_stage"] = terminals[0]
-    for key in ("text_stage", "text_only_stage", "audio_stage"):
-        if opts[key] is not None and opts[key] not in pipeline_config.stage_names:
-            raise ValueError(
-                f"serve.options.openai.{key}: no stage {opts[key]!r} in pipeline {pipeline_config.name!r} "
-                f"(stages: {', '.join(pipeline_config.stage_names)})"
-            )
+    check_stages(opts, pipeline_config, "serve.options.openai")
     sampling = opts["sampling"]
     for name, key in sampling.items():
         if name not in SAMPLING:
@@ -379,12 +385,8 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     if "model" not in body:
         raise BadRequest("'model' is required", "model")
     if body["model"] != model:
-        raise BadRequest(
-            f"the model {body['model']!r} does not exist; this server serves {model!r}",
-            "model",
-            404,
-            "model_not_found",
-        )
+        raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {model!r}", "model", 404,
+                         "model_not_found")
     if opts["messages_key"] is None:
         prompts = {opts["prompt_key"]: _prompt(body.get("messages"))}
     else:
@@ -393,50 +395,55 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
-    modalities = body.get("modalities") or ["text"]
-    if (
-        not isinstance(modalities, list)
-        or not all(m in ("text", "audio") for m in modalities)
-        or "text" not in modalities
-    ):
-        raise BadRequest('\'modalities\' must be ["text"] or ["text", "audio"]', "modalities")
-    want_audio = "audio" in modalities
-    audio = body.get("audio")
-    fmt = None
-    if want_audio:
-        if opts["audio_stage"] is None:
-            raise BadRequest(
-                'this model has no audio output; ask for modalities ["text"]', "modalities"
-            )
-        if not isinstance(audio, Mapping):
-            raise BadRequest(
-                'modalities with \'audio\' need \'audio\': {"voice": ..., "format": "wav" | "pcm16"}',
-                "audio",
-            )
-        fmt = audio.get("format", "pcm16" if stream else "wav")
-        if fmt not in AUDIO_FORMATS:
-            raise BadRequest(
-                f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}",
-                "audio.format",
-            )
-        if stream and fmt != "pcm16":
-            raise BadRequest("streamed audio must use audio.format 'pcm16'", "audio.format")
-        voice = audio.get("voice")
-        if not isinstance(voice, str) or not voice:
-            raise BadRequest("audio.voice is required (a voice name)", "audio.voice")
-        if opts["voices"] is not None and voice not in opts["voices"]:
-            raise BadRequest(
-                f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice"
-            )
-    inputs = {
-        **opts["inputs"],
-        **(opts["audio_inputs"] if want_audio else opts["text_inputs"]),
-        **prompts,
-    }
+    want_audio, fmt, voice = _output(body, stream, opts)
+    inputs = {**opts["inputs"], **(opts["audio_inputs"] if want_audio else opts["text_inputs"]), **prompts}
     if want_audio and opts["voice_key"] is not None:
         inputs[opts["voice_key"]] = voice
+    limit = _max_tokens(body, opts)
+    if limit is not None and opts["max_tokens_key"] is not None:
+        inputs[opts["max_tokens_key"]] = limit
+    sampling, n, stops = _parameters(body, opts)
+    if stops and want_audio:
+        raise BadRequest("'stop' with audio output is not supported: this model does not take stop sequences, and "
+                         "the server can cut the text at one but not the speech; leave 'stop' out or ask for "
+                         'modalities ["text"]', "stop")
+    inputs.update(sampling)
+    return {"inputs": inputs, "choices": _choices(inputs, n, opts), "stops": stops, "stream": stream,
+            "audio": want_audio, "format": fmt, "text_stage": text_stage_for(opts, want_audio)}
+
+
+def _output(body: Mapping[str, Any], stream: bool, opts: dict[str, Any]) -> tuple[bool, str | None, str | None]:
+    """``(want_audio, audio format, voice)`` from the request's ``modalities`` and ``audio``."""
+    modalities = body.get("modalities") or ["text"]
+    if not isinstance(modalities, list) or not all(m in ("text", "audio") for m in modalities) \
+            or "text" not in modalities:
+        raise BadRequest('\'modalities\' must be ["text"] or ["text", "audio"]', "modalities")
+    if "audio" not in modalities:
+        return False, None, None
+    audio = body.get("audio")
+    if opts["audio_stage"] is None:
+        raise BadRequest('this model has no audio output; ask for modalities ["text"]', "modalities")
+    if not isinstance(audio, Mapping):
+        raise BadRequest('modalities with \'audio\' need \'audio\': {"voice": ..., "format": "wav" | "pcm16"}',
+                         "audio")
+    fmt = audio.get("format", "pcm16" if stream else "wav")
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequest(f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}", "audio.format")
+    if stream and fmt != "pcm16":
+        raise BadRequest("streamed audio must use audio.format 'pcm16'", "audio.format")
+    voice = audio.get("voice")
+    if not isinstance(voice, str) or not voice:
+        raise BadRequest("audio.voice is required (a voice name)", "audio.voice")
+    if opts["voices"] is not None and voice not in opts["voices"]:
+        raise BadRequest(f"unknown voice {voice!r}; voices: {', '.join(opts['voices'])}", "audio.voice")
+    return True, fmt, voice
+
+
+def _max_tokens(body: Mapping[str, Any], opts: dict[str, Any]) -> int | None:
+    """The request's token limit (``max_completion_tokens`` wins when both it and ``max_tokens``
+    are sent), each checked."""
     limits = []
-    for name in ("max_completion_tokens", "max_tokens"):  # max_completion_tokens wins when both are sent
+    for name in ("max_completion_tokens", "max_tokens"):
         limit = body.get(name)
         if limit is None:
             continue
@@ -446,92 +453,20 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
         if most is not None and limit > most:
             raise BadRequest(f"'{name}' is {limit}; this model writes at most {most} tokens per answer", name)
         limits.append(limit)
-    if limits and opts["max_tokens_key"] is not None:
-        inputs[opts["max_tokens_key"]] = limits[0]
-    sampling, n, stops = _parameters(body, opts)
-    if stops and want_audio:
-        raise BadRequest("'stop' with audio output is not supported: this model does not take stop sequences, and "
-                         "the server can cut the text at one but not the speech; leave 'stop' out or ask for "
-                         'modalities ["text"]', "stop")
-    inputs.update(sampling)
+    return limits[0] if limits else None
+
+
+def _choices(inputs: dict[str, Any], n: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inputs of each of ``n`` choices: choice i runs with seed + i (seed i without one), so no
+    two choices share a seed."""
     choices = [inputs]
     seed_key = opts["sampling"].get("seed")
-    for index in range(1, n):  # choice i: seed + i (seed i without one), so no two choices share a seed
+    for index in range(1, n):
         if seed_key is None:
             choices.append(dict(inputs))
         else:
             choices.append({**inputs, seed_key: choice_seed(inputs.get(seed_key, 0), index)})
-    text_stage = opts["text_stage"] if want_audio else opts.get("text_only_stage") or opts["text_stage"]
-    return {"inputs": inputs, "choices": choices, "stops": stops, "stream": stream, "audio": want_audio, "format": fmt,
-            "text_stage": text_stage}
-
-
-def pcm16(audio: Any) -> bytes | None:
-    """Mono audio as little-endian 16-bit PCM bytes; None when ``audio`` is not audio (a string,
-    a mapping, None ...).
-
-    - bytes, bytearray, memoryview: PCM16 already, returned as bytes (an odd length is an error);
-    - a torch tensor or numpy array, 1-D (or ``[1, N]`` / ``[N, 1]``): int16 as is; any float dtype
-      (bfloat16 and float16 widened to float32, exactly): NaN → 0, clipped to [-1, 1], × 32767,
-      rounded half to even, in float32 (float64 stays float64);
-    - a list or tuple: float samples, as a float32 array.
-    """
-    import numpy as np
-
-    if isinstance(audio, (bytes, bytearray, memoryview)):
-        data = bytes(audio)
-        if len(data) % 2:
-            raise ValueError(f"PCM16 audio needs an even number of bytes, got {len(data)}")
-        return data
-    if hasattr(audio, "detach") and hasattr(audio, "is_floating_point"):  # a torch tensor
-        tensor = audio.detach().cpu()
-        array = (tensor.float() if tensor.is_floating_point() else tensor).numpy()
-    elif isinstance(audio, np.ndarray):
-        array = audio
-    elif isinstance(audio, (list, tuple)):
-        array = np.asarray(audio, dtype=np.float32)
-    else:
-        return None
-    if array.ndim != 1:
-        if array.ndim == 2 and 1 in array.shape:
-            array = array.reshape(-1)
-        else:
-            raise ValueError(f"audio must be mono (1-D samples), got shape {list(array.shape)}")
-    if array.dtype.kind == "i" and array.dtype.itemsize == 2:  # int16, either byte order
-        return array.astype("<i2", copy=False).tobytes()
-    if not np.issubdtype(array.dtype, np.floating):
-        raise ValueError(f"audio samples must be float in [-1, 1] or int16, got {array.dtype}")
-    if array.dtype.itemsize < 4:
-        array = array.astype(np.float32)
-    array = np.clip(np.nan_to_num(array, nan=0.0), -1.0, 1.0) * array.dtype.type(32767)
-    return np.rint(array).astype("<i2").tobytes()
-
-
-def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(sample_rate)
-        out.writeframes(pcm)
-    return buf.getvalue()
-
-
-def stage_part(result: Any, stage: str) -> Any:
-    """``stage``'s part of a pipeline result: ``result[stage]`` when the result is keyed by
-    terminal stage (several terminals), else the result itself (one terminal). A one-stage result
-    may have a field named like its stage (Qwen's text stage has ``text``): only a mapping under
-    that key is taken for the stage's part."""
-    if isinstance(result, Mapping) and isinstance(result.get(stage), Mapping):
-        return result[stage]
-    return result
-
-
-def _final_text(result: Any, opts: dict[str, Any], pieces: list[str], stage: str) -> str:
-    part = stage_part(result, stage)
-    if isinstance(part, Mapping) and isinstance(part.get(opts["result_text_field"]), str):
-        return part[opts["result_text_field"]]
-    return opts["text_joiner"].join(pieces)
+    return choices
 
 
 def include_usage(options: Any, stream: bool) -> bool:
@@ -545,253 +480,161 @@ def include_usage(options: Any, stream: bool) -> bool:
     return options.get("include_usage", False)
 
 
-FINISH_REASONS = ("stop", "length")
-
-
-def usage_of(result: Any, opts: dict[str, Any], stage: str) -> tuple[dict[str, int] | None, str]:
-    """``(usage, finish_reason)`` from ``stage``'s part of the result (the result itself with one
-    terminal stage): usage None unless both counts are non-negative ints; finish_reason
-    ``"stop"`` unless the result says ``"length"``."""
-    part = stage_part(result, stage)
-    if not isinstance(part, Mapping):
-        return None, "stop"
-    finish = part.get(opts["finish_reason_field"])
-    finish = finish if finish in FINISH_REASONS else "stop"
-    counts = (part.get(opts["prompt_tokens_field"]), part.get(opts["completion_tokens_field"]))
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-        return None, finish
-    return {"prompt_tokens": counts[0], "completion_tokens": counts[1], "total_tokens": sum(counts)}, finish
-
-
 def make_routes(api: Any) -> list[Any]:
     """The API factory registered as ``openai``."""
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
+    return ChatApi(api).routes()
 
-    from omni_core.serve import ClientGone, EventStream, HTTPError, describe, log_error, parse_json
 
-    model = api.pipeline_name
-    opts = adapter_options(api.options, api.pipeline.config)
-    log = get_logger(component="openai", pipeline=model)
-    # An input key the adapter fills, as the client's parameter (a stage's InvalidInput names the key).
-    params = {opts["max_tokens_key"]: "max_tokens", opts["voice_key"]: "audio.voice", opts["prompt_key"]: "messages",
-              **{key: name for name, key in opts["sampling"].items()}}
+class ChatApi:
+    """The ``openai`` API of one served pipeline: ``/v1/models``, ``/v1/models/{model}`` and
+    ``/v1/chat/completions`` (answered whole by :meth:`_collected`, or streamed by
+    :class:`_ChunkStream`), every error in OpenAI's shape."""
 
-    def client_param(field: Any) -> str | None:
+    def __init__(self, api: Any):
+        self.api = api
+        self.model = api.pipeline_name
+        self.opts = opts = adapter_options(api.options, api.pipeline.config)
+        self.log = get_logger(component="openai", pipeline=self.model)
+        # An input key the adapter fills, as the client's parameter (a stage's InvalidInput names the key).
+        self.params = {opts["max_tokens_key"]: "max_tokens", opts["voice_key"]: "audio.voice",
+                       opts["prompt_key"]: "messages", **{key: name for name, key in opts["sampling"].items()}}
+        self.created = int(time.time())
+
+    def routes(self) -> list[Any]:
+        from starlette.routing import Route
+
+        for endpoint in (self.models, self.one_model, self.chat_completions):
+            endpoint.__func__.omni_error_body = error_body  # type: ignore[attr-defined]
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.one_model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+
+    # -- errors -----------------------------------------------------------------------------------------------
+
+    def client_param(self, field: Any) -> str | None:
         if not isinstance(field, str):
             return None
         if field.startswith("messages["):  # the adapter's labels of parts: the client's indices already
             return field.split(" ")[0]
-        return params.get(field)
-    created = int(time.time())
+        return self.params.get(field)
 
-    def error(
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> JSONResponse:
-        body = {
-            "error": {
-                "message": message,
-                "type": _ERROR_TYPES.get(status, "server_error"),
-                "param": param,
-                "code": code,
-            }
-        }
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    def from_exception(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    def from_exception(self, exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
         """The OpenAI form of a request's error, logged: a client's mistake (4xx) at warning, a
         failure (5xx) at error with its traceback (the stage's, or this process's)."""
+        from omni_core.serve import describe, log_error
+
         err = describe(exc)
         where = f" (stage {err.stage!r})" if err.stage else ""
-        param = client_param(err.field)
-        body = {
-            "message": f"{err.type}{where}: {err.message}",
-            "type": _ERROR_TYPES.get(err.status, "server_error"),
-            "param": param,
-            "code": err.type,
-        }
-        log_error(log, "chat request failed" if err.status >= 500 else "chat request refused", err, exc,
+        param = self.client_param(err.field)
+        body = {"message": f"{err.type}{where}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
+                "param": param, "code": err.type}
+        log_error(self.log, "chat request failed" if err.status >= 500 else "chat request refused", err, exc,
                   **({"param": param} if param else {}))
         return err.status, body, err.headers
 
-    def text_of(chunk: Any) -> str | None:
-        if isinstance(chunk, Mapping):
-            value = chunk.get(opts["text_field"])
-            return value if isinstance(value, str) else None
-        return chunk if isinstance(chunk, str) else None
+    def refused(self, request: Any, exc: BadRequest) -> Any:
+        from starlette.responses import JSONResponse
 
-    def audio_of(chunk: Any) -> bytes | None:
-        if isinstance(chunk, Mapping) and opts["audio_field"] in chunk:
-            return pcm16(chunk[opts["audio_field"]])
-        return None
+        self.log.warning("chat request refused", path=request.url.path, status=exc.status, param=exc.param,
+                         message=exc.message)
+        body = {"message": exc.message, "type": _ERROR_TYPES.get(exc.status, "server_error"), "param": exc.param,
+                "code": exc.code}
+        return JSONResponse({"error": body}, status_code=exc.status)
 
-    def rate_of(chunk: Any) -> int:
-        rate = (
-            chunk.get(opts["sample_rate_field"])
-            if isinstance(chunk, Mapping) and opts["sample_rate_field"]
-            else None
-        )
-        return (
-            int(rate)
-            if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0
-            else opts["sample_rate"]
-        )
+    def failed(self, exc: BaseException) -> Any:
+        from starlette.responses import JSONResponse
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model, "object": "model", "created": created, "owned_by": "omni"}
-
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    async def one_model(request):
-        name = request.path_params["model"]
-        if name != model:
-            return refused(request, BadRequest(f"the model {name!r} does not exist; this server serves {model!r}",
-                                               "model", 404, "model_not_found"))
-        return JSONResponse(model_card())
-
-    def refused(request: Any, exc: BadRequest) -> JSONResponse:
-        log.warning("chat request refused", path=request.url.path, status=exc.status, param=exc.param,
-                    message=exc.message)
-        return error(exc.status, exc.message, param=exc.param, code=exc.code)
-
-    def failed(exc: BaseException) -> JSONResponse:
-        status, body, headers = from_exception(exc)
+        status, body, headers = self.from_exception(exc)
         return JSONResponse({"error": body}, status_code=status, headers=headers)
 
-    async def chat_completions(request):
+    # -- the routes -------------------------------------------------------------------------------------------
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "omni"}
+
+    async def models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def one_model(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        name = request.path_params["model"]
+        if name != self.model:
+            return self.refused(request, BadRequest(f"the model {name!r} does not exist; this server serves "
+                                                    f"{self.model!r}", "model", 404, "model_not_found"))
+        return JSONResponse(self.model_card())
+
+    async def chat_completions(self, request: Any) -> Any:
+        from omni_core.serve import HTTPError, parse_json
+
         try:
             try:
                 body = parse_json(await request.body())
             except HTTPError as exc:  # not JSON, or nested too deeply
                 raise BadRequest(exc.message) from None
-            req = parse_request(body, model, opts)
+            req = parse_request(body, self.model, self.opts)
             req["include_usage"] = include_usage(body.get("stream_options"), req["stream"])
         except BadRequest as exc:
-            return refused(request, exc)
+            return self.refused(request, exc)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         request.scope.setdefault("state", {})["omni_request_id"] = rid
         n = len(req["choices"])
         ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        streams = [api.stream(inputs, request_id=request_id, headers=request.headers)
+        streams = [self.api.stream(inputs, request_id=request_id, headers=request.headers)
                    for inputs, request_id in zip(req["choices"], ids, strict=True)]
         events = streams[0] if n == 1 else _merged(streams)
         if req["stream"]:
-            return await _streamed(request, rid, req, events, n)
-        choices = [_Choice(req["stops"]) for _ in range(n)]
+            return await self._streamed(request, rid, req, events, n)
+        return await self._collected(request, rid, req, events, ids)
 
-        async def collect():
+    async def _collected(self, request: Any, rid: str, req: dict[str, Any], events: Any, ids: list[str]) -> Any:
+        """The whole answer, once every choice is done."""
+        from starlette.responses import JSONResponse
+
+        from omni_core.serve import ClientGone
+
+        n = len(ids)
+        choices = [_Choice(req, self.opts) for _ in range(n)]
+
+        async def collect() -> None:
             async for event in events:
                 index, event = event if n > 1 else (0, event)
-                choices[index].take(event, req)
+                choices[index].take(event)
                 if all(c.done for c in choices):
                     return
 
         try:
-            await api.until_disconnect(request.receive, collect())
+            await self.api.until_disconnect(request.receive, collect())
         except ClientGone:
             return JSONResponse({}, status_code=499)
         except Exception as exc:
-            return failed(exc)
+            return self.failed(exc)
         finally:
             await events.aclose()
-        out = []
-        usage_total: dict[str, int] | None = None
-        for index, choice in enumerate(choices):
-            text = _final_text(choice.result, opts, choice.pieces, req["text_stage"])
-            usage, finish_reason = usage_of(choice.result, opts, req["text_stage"])
-            cuts = [i for i in (text.find(stop) for stop in req["stops"]) if i >= 0]
-            if cuts:
-                text, finish_reason = text[:min(cuts)], "stop"
-            if usage is not None:  # n choices: one prompt, every choice's completion tokens
-                usage_total = dict(usage) if usage_total is None else {
-                    "prompt_tokens": usage_total["prompt_tokens"],
-                    "completion_tokens": usage_total["completion_tokens"] + usage["completion_tokens"],
-                    "total_tokens": usage_total["total_tokens"] + usage["completion_tokens"]}
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if req["audio"]:
-                rate = choice.rates[0] if choice.rates else opts["sample_rate"]
-                if any(r != rate for r in choice.rates):
-                    return failed(RuntimeError(
-                        f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
-                        f"({sorted(set(choice.rates))}); one response holds one rate"))
-                data = wav_bytes(bytes(choice.pcm), rate) if req["format"] == "wav" else bytes(choice.pcm)
-                message["audio"] = {
-                    "id": f"audio-{ids[index]}",
-                    "data": base64.b64encode(data).decode(),
-                    "transcript": text,
-                    "expires_at": int(time.time()) + 3600,
-                    "sample_rate": rate,
-                }
-            out.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None})
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": out,
-                "usage": None if any(usage_of(c.result, opts, req["text_stage"])[0] is None for c in choices)
-                else usage_total,
-            }
-        )
+        try:
+            out = [choice.answer(index, ids[index]) for index, choice in enumerate(choices)]
+        except RuntimeError as exc:
+            return self.failed(exc)
+        usages = [choice.usage for choice in choices]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                             "choices": out, "usage": _total_usage(usages)})
 
-    class _Choice:
-        """What one choice's events brought: text pieces, audio, the result; done at its result,
-        or at a stop sequence the adapter applies."""
+    async def _streamed(self, request: Any, rid: str, req: dict[str, Any], events: Any, n: int) -> Any:
+        """The answer as server-sent chunks; the first event (or the error that prevents it) is
+        awaited before the response starts, so overload and unavailability keep their status codes."""
+        from starlette.responses import JSONResponse
 
-        def __init__(self, stops: list[str]) -> None:
-            self.pieces: list[str] = []
-            self.pcm = bytearray()
-            self.rates: list[int] = []
-            self.result: Any = None
-            self.done = False
-            self.cut = StopText(stops)
-
-        def take(self, event: Any, req: dict[str, Any]) -> None:
-            if self.done:
-                return
-            if event.is_result:
-                self.result, self.done = event.data, True
-            elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
-                self.pieces.append(piece)
-                if req["stops"]:
-                    self.cut.feed(opts["text_joiner"].join(self.pieces))
-                    self.done = self.cut.stopped
-            elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data)) is not None:
-                self.pcm.extend(data)
-                self.rates.append(rate_of(event.data))
-
-    async def _streamed(request, rid, req, events, n):
-        now = int(time.time())
-
-        def chunk(index: int, delta: dict[str, Any] | None, finish: str | None = None,
-                  usage: dict | None = None) -> bytes:
-            data: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": now,
-                "model": model,
-                "choices": [] if delta is None else [
-                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                ],
-            }
-            if req["include_usage"]:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+        from omni_core.serve import ClientGone, EventStream
 
         def tagged(event: Any) -> tuple[int, Any]:
             return event if n > 1 else (0, event)
 
-        # The first event (or the error that prevents it) before the response starts, so
-        # overload and unavailability keep their status codes.
         try:
-            first = tagged(await api.until_disconnect(request.receive, events.__anext__()))
+            first = tagged(await self.api.until_disconnect(request.receive, events.__anext__()))
         except ClientGone:
             await events.aclose()
             return JSONResponse({}, status_code=499)
@@ -799,71 +642,27 @@ def make_routes(api: Any) -> list[Any]:
             first = None
         except Exception as exc:
             await events.aclose()
-            return failed(exc)
+            return self.failed(exc)
+        chunks = _ChunkStream(self, rid, req, n)
 
-        async def body():
+        async def body() -> Any:
             item = first
-            joined = [""] * n  # each choice's pieces joined
-            pieces = [0] * n
-            cuts = [StopText(req["stops"]) for _ in range(n)]  # what was sent of each, cut at a stop sequence
-            done = [False] * n
-            usages: list[dict[str, int] | None] = [None] * n
-            audio_ids = [f"audio-{rid}" if n == 1 else f"audio-{rid}-{i}" for i in range(n)]
-
-            def text_delta(index: int, text: str) -> bytes:
-                delta: dict[str, Any] = {"content": text}
-                if req["audio"]:
-                    delta["audio"] = {"id": audio_ids[index], "transcript": text}
-                return chunk(index, delta)
-
             try:
                 for index in range(n):
-                    yield chunk(index, {"role": "assistant", "content": ""})
-                while item is not None and not all(done):
-                    index, event = item
-                    if done[index]:
-                        pass
-                    elif event.is_result:
-                        # What the streamed pieces lack of the whole text (the demo's final "."): one
-                        # more delta, so the deltas join to the non-streamed answer.
-                        part = stage_part(event.data, req["text_stage"])
-                        whole = part.get(opts["result_text_field"]) if isinstance(part, Mapping) else None
-                        if rest := cuts[index].finish(whole if isinstance(whole, str) else joined[index]):
-                            yield text_delta(index, rest)
-                        usages[index], finish_reason = usage_of(event.data, opts, req["text_stage"])
-                        done[index] = True
-                        yield chunk(index, {}, "stop" if cuts[index].stopped else finish_reason)
-                    elif event.stage == req["text_stage"] and (piece := text_of(event.data)):
-                        joined[index] += piece if pieces[index] == 0 else opts["text_joiner"] + piece
-                        pieces[index] += 1
-                        if new := cuts[index].feed(joined[index]):
-                            yield text_delta(index, new)
-                        if cuts[index].stopped:  # the rest of this choice is not wanted
-                            done[index] = True
-                            yield chunk(index, {}, "stop")
-                    elif (
-                        req["audio"]
-                        and event.stage == opts["audio_stage"]
-                        and (data := audio_of(event.data))
-                    ):
-                        yield chunk(index, {"audio": {"id": audio_ids[index], "data": base64.b64encode(data).decode(),
-                                                      "transcript": "", "sample_rate": rate_of(event.data)}})
-                    if all(done):
+                    yield chunks.chunk(index, {"role": "assistant", "content": ""})
+                while item is not None and not all(chunks.done):
+                    for data in chunks.take(*item):
+                        yield data
+                    if all(chunks.done):
                         break
                     try:
                         item = tagged(await events.__anext__())
                     except StopAsyncIteration:
                         item = None
                 if req["include_usage"]:
-                    usage = None
-                    if all(u is not None for u in usages):
-                        completion = sum(u["completion_tokens"] for u in usages)  # type: ignore[index]
-                        prompt = usages[0]["prompt_tokens"]  # type: ignore[index]
-                        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                                 "total_tokens": prompt + completion}
-                    yield chunk(0, None, usage=usage)
+                    yield chunks.chunk(0, None, usage=_total_usage(chunks.usages))
             except Exception as exc:
-                _, err, _ = from_exception(exc)
+                _, err, _ = self.from_exception(exc)
                 yield f"data: {json.dumps({'error': err})}\n\n".encode()
             finally:
                 await events.aclose()
@@ -871,20 +670,140 @@ def make_routes(api: Any) -> list[Any]:
 
         return EventStream(body())
 
-    def error_body(err: Any) -> dict[str, Any]:
-        """The OpenAI shape of an error the server answers before the route runs (the 413 of
-        serve.max_request_bytes)."""
-        return {"error": {"message": f"{err.type}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
-                          "param": None, "code": err.type}}
 
-    for endpoint in (models, one_model, chat_completions):
-        endpoint.omni_error_body = error_body  # type: ignore[attr-defined]
+def error_body(err: Any) -> dict[str, Any]:
+    """The OpenAI shape of an error the server answers before the route runs (the 413 of
+    serve.max_request_bytes)."""
+    return {"error": {"message": f"{err.type}: {err.message}", "type": _ERROR_TYPES.get(err.status, "server_error"),
+                      "param": None, "code": err.type}}
 
-    return [
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", one_model, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ]
+
+def _total_usage(usages: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """The usage of ``n`` choices: one prompt, every choice's completion tokens; None unless every
+    choice has counts."""
+    if not usages or any(u is None for u in usages):
+        return None
+    prompt = usages[0]["prompt_tokens"]  # type: ignore[index]
+    completion = sum(u["completion_tokens"] for u in usages)  # type: ignore[index]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Choice:
+    """What one choice's events brought: text pieces, audio, the result; done at its result, or
+    at a stop sequence the adapter applies."""
+
+    def __init__(self, req: dict[str, Any], opts: dict[str, Any]) -> None:
+        self.req, self.opts = req, opts
+        self.pieces: list[str] = []
+        self.pcm = bytearray()
+        self.rates: list[int] = []
+        self.result: Any = None
+        self.done = False
+        self.cut = StopText(req["stops"])
+
+    def take(self, event: Any) -> None:
+        req, opts = self.req, self.opts
+        if self.done:
+            return
+        if event.is_result:
+            self.result, self.done = event.data, True
+        elif event.stage == req["text_stage"] and (piece := text_of(event.data, opts)):
+            self.pieces.append(piece)
+            if req["stops"]:
+                self.cut.feed(opts["text_joiner"].join(self.pieces))
+                self.done = self.cut.stopped
+        elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data, opts)) is not None:
+            self.pcm.extend(data)
+            self.rates.append(rate_of(event.data, opts))
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        return usage_of(self.result, self.opts, self.req["text_stage"])[0]
+
+    def answer(self, index: int, request_id: str) -> dict[str, Any]:
+        """The choice of a whole answer; a RuntimeError when its audio chunks differ in rate."""
+        req, opts = self.req, self.opts
+        text = final_text(self.result, opts, self.pieces, req["text_stage"])
+        finish_reason = usage_of(self.result, opts, req["text_stage"])[1]
+        cuts = [i for i in (text.find(stop) for stop in req["stops"]) if i >= 0]
+        if cuts:
+            text, finish_reason = text[:min(cuts)], "stop"
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if req["audio"]:
+            rate = self.rates[0] if self.rates else opts["sample_rate"]
+            if any(r != rate for r in self.rates):
+                raise RuntimeError(f"the {opts['audio_stage']} stage's audio chunks have different sample rates "
+                                   f"({sorted(set(self.rates))}); one response holds one rate")
+            data = wav_bytes(bytes(self.pcm), rate) if req["format"] == "wav" else bytes(self.pcm)
+            message["audio"] = {"id": f"audio-{request_id}", "data": base64.b64encode(data).decode(),
+                                "transcript": text, "expires_at": int(time.time()) + 3600, "sample_rate": rate}
+        return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+
+
+class _ChunkStream:
+    """A streamed answer's chunks, choice by choice: :meth:`take` turns one ``(index, event)`` into
+    the chunks it sends; ``done`` and ``usages`` say where each choice stands."""
+
+    def __init__(self, chat: ChatApi, rid: str, req: dict[str, Any], n: int):
+        self.model, self.opts, self.rid, self.req = chat.model, chat.opts, rid, req
+        self.now = int(time.time())
+        self.joined = [""] * n  # each choice's pieces joined
+        self.pieces = [0] * n
+        self.cuts = [StopText(req["stops"]) for _ in range(n)]  # what was sent of each, cut at a stop sequence
+        self.done = [False] * n
+        self.usages: list[dict[str, int] | None] = [None] * n
+        self.audio_ids = [f"audio-{rid}" if n == 1 else f"audio-{rid}-{i}" for i in range(n)]
+
+    def chunk(self, index: int, delta: dict[str, Any] | None, finish: str | None = None,
+              usage: dict | None = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": self.rid, "object": "chat.completion.chunk", "created": self.now, "model": self.model,
+            "choices": [] if delta is None else [
+                {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+        if self.req["include_usage"]:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+    def _text(self, index: int, text: str) -> bytes:
+        delta: dict[str, Any] = {"content": text}
+        if self.req["audio"]:
+            delta["audio"] = {"id": self.audio_ids[index], "transcript": text}
+        return self.chunk(index, delta)
+
+    def take(self, index: int, event: Any) -> list[bytes]:
+        req, opts = self.req, self.opts
+        if self.done[index]:
+            return []
+        if event.is_result:
+            return self._result(index, event.data)
+        out = []
+        if event.stage == req["text_stage"] and (piece := text_of(event.data, opts)):
+            self.joined[index] += piece if self.pieces[index] == 0 else opts["text_joiner"] + piece
+            self.pieces[index] += 1
+            if new := self.cuts[index].feed(self.joined[index]):
+                out.append(self._text(index, new))
+            if self.cuts[index].stopped:  # the rest of this choice is not wanted
+                self.done[index] = True
+                out.append(self.chunk(index, {}, "stop"))
+        elif req["audio"] and event.stage == opts["audio_stage"] and (data := audio_of(event.data, opts)):
+            out.append(self.chunk(index, {"audio": {"id": self.audio_ids[index],
+                                                    "data": base64.b64encode(data).decode(), "transcript": "",
+                                                    "sample_rate": rate_of(event.data, opts)}}))
+        return out
+
+    def _result(self, index: int, result: Any) -> list[bytes]:
+        # What the streamed pieces lack of the whole text (the demo's final "."): one more delta,
+        # so the deltas join to the non-streamed answer.
+        out = []
+        part = stage_part(result, self.req["text_stage"])
+        whole = part.get(self.opts["result_text_field"]) if isinstance(part, Mapping) else None
+        if rest := self.cuts[index].finish(whole if isinstance(whole, str) else self.joined[index]):
+            out.append(self._text(index, rest))
+        self.usages[index], finish_reason = usage_of(result, self.opts, self.req["text_stage"])
+        self.done[index] = True
+        out.append(self.chunk(index, {}, "stop" if self.cuts[index].stopped else finish_reason))
+        return out
 
 
 async def _merged(streams: list[Any]) -> Any:
