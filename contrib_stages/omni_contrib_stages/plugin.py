@@ -1,5 +1,5 @@
 """The omni plugin of omni-contrib-stages: registers its stages, functions, the demo pipeline and
-the ``openai`` API of ``omni serve``.
+the ``openai`` and ``realtime`` APIs of ``omni serve``.
 
 Everything is registered by dotted path, so loading the plugin (which omni does in every process)
 imports nothing but this module; a stage's code is imported only in the process that runs it.
@@ -69,8 +69,9 @@ def omni_register_pipelines(register):
 
 #: APIs for ``omni serve``: (name, dotted path of the factory, description).
 APIS: tuple[tuple[str, str, str], ...] = (
-    ("openai", "omni_contrib_stages.openai_api:make_routes",
-     "OpenAI-compatible /v1/chat/completions (text and audio, streamed or not) and /v1/models"),
+    ("openai", "omni_contrib_stages.openai_audio:make_routes",
+     "OpenAI-compatible /v1/chat/completions (text and audio, streamed or not), /v1/audio/transcriptions and "
+     "/v1/audio/speech (serve.options.openai.kind asr / tts) and /v1/models"),
     ("realtime", "omni_contrib_stages.realtime:make_routes",
      "OpenAI Realtime protocol on the /v1/realtime WebSocket: voice turns, server VAD, barge-in"),
 )
@@ -123,6 +124,10 @@ OPENAI_OPTIONS: dict[str, Option] = {
                                "takes; more is refused (400) before the request runs (null: no limit here)",
                                nullable=True),
     "max_choices": Option("positive_int", 8, "the largest n (choices per request; each is a pipeline request)"),
+    "kind": Option("choice", "chat", "what the pipeline is: chat mounts /v1/chat/completions, asr "
+                   "/v1/audio/transcriptions, tts /v1/audio/speech (/v1/models always)", choices=("chat", "asr", "tts")),
+    "audio": Option("mapping", {}, "asr and tts: how a request becomes inputs (audio_key, sample_rate_key, "
+                    "language_key, prompt_key, input_key, speed_key, ...; see omni_contrib_stages.openai_audio)"),
 }
 
 
@@ -158,8 +163,12 @@ REALTIME_OPTIONS: dict[str, Option] = {
 #: Each API's options schema, by API name.
 API_OPTIONS: dict[str, dict[str, Option]] = {"openai": OPENAI_OPTIONS, "realtime": REALTIME_OPTIONS}
 
+#: The path of each API's OpenAI-style chat completions route, by API name (the console's chat tab
+#: talks to it).
+API_CHAT: dict[str, str] = {"openai": "/v1/chat/completions"}
+
 
 @omni_core.hookimpl
 def omni_register_apis(register):
     for name, target, description in APIS:
-        register(name, target, description=description, options=API_OPTIONS[name])
+        register(name, target, description=description, options=API_OPTIONS[name], chat=API_CHAT.get(name))

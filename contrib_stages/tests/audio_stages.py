@@ -1,0 +1,73 @@
+"""Toy speech pipelines for the tests of the ``openai`` API's audio endpoints.
+
+``Transcriber`` "transcribes" by a deterministic function of the audio: one word per 0.1 s block,
+the block's loudness as a letter (``a``: silence ... ``z``: full scale), streamed one word at a
+time, with a segment per word; :func:`transcribe` is the same function for the tests.
+
+``Speaker`` speaks ``text`` as one tone per character (``samples_per_char`` samples of a sine at
+a frequency given by the character, scaled by ``speed``), emitting each as a chunk of float32
+samples; :func:`speak` is the same function. ``"fail"`` as the text makes it refuse its input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_core.errors import InvalidInput
+
+BLOCK_SECONDS = 0.1
+RATE = 24000
+
+
+def transcribe(samples: np.ndarray, rate: int) -> list[tuple[float, float, str]]:
+    """``(start, end, word)`` of each 0.1 s block of ``samples``."""
+    block = max(1, round(rate * BLOCK_SECONDS))
+    out = []
+    for start in range(0, len(samples), block):
+        piece = samples[start:start + block]
+        level = float(np.sqrt(np.mean(piece.astype(np.float64) ** 2))) if len(piece) else 0.0
+        letter = chr(ord("a") + min(25, int(level * 25 * 1.4142)))
+        out.append((start / rate, (start + len(piece)) / rate, letter * 3))
+    return out
+
+
+class Transcriber:
+    async def __call__(self, inputs: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        audio = inputs["audio"]
+        rate = inputs["sample_rate"]
+        words = transcribe(audio.numpy(), rate)
+        prefix = inputs.get("prompt") or ""
+        language = inputs.get("language") or "en"
+        for _, _, word in words:
+            await ctx.emit({"text": word})
+        text = " ".join(w for _, _, w in words)
+        return {"text": (prefix + text) if prefix else text, "language": language,
+                "segments": [{"start": s, "end": e, "text": w} for s, e, w in words],
+                "prompt_tokens": len(words), "completion_tokens": len(words)}
+
+
+def speak(text: str, samples_per_char: int, speed: float = 1.0) -> list[np.ndarray]:
+    """One float32 tone per character of ``text``."""
+    n = max(1, round(samples_per_char / speed))
+    t = np.arange(n) / RATE
+    return [(0.5 * np.sin(2 * np.pi * (200 + 10 * (ord(c) % 64)) * t)).astype(np.float32) for c in text]
+
+
+class Speaker:
+    def __init__(self, samples_per_char: int = 480):
+        self.samples_per_char = samples_per_char
+
+    async def __call__(self, inputs: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        text = inputs["text"]
+        if text == "fail":
+            raise InvalidInput("the text 'fail' cannot be spoken", field="text")
+        voice = inputs.get("voice")
+        if voice not in (None, "0", "1"):
+            raise InvalidInput(f"unknown voice {voice!r}", field="voice")
+        tones = speak(text, self.samples_per_char, inputs.get("speed", 1.0))
+        for tone in tones:
+            await ctx.emit({"pcm16": torch.from_numpy(tone), "sample_rate": RATE})
+        return {"prompt_tokens": len(text), "completion_tokens": len(tones)}

@@ -1,0 +1,332 @@
+"""The ``openai`` API's audio endpoints against real ``omni serve`` processes running the toy speech
+pipelines of :mod:`audio_stages`: ``/v1/audio/transcriptions`` and ``/v1/audio/speech`` through
+the official ``openai`` SDK (streamed and not, every response format), httpx and curl, and bad
+requests answered 400 / 404 / 413 in OpenAI's error shape after one POST."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+from audio_stages import RATE, speak, transcribe
+
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).parent
+
+ASR = """
+name: asr
+stages:
+  - name: asr
+    factory: audio_stages:Transcriber
+    terminal: true
+serve:
+  apis: [openai]
+  max_request_bytes: 1000000
+  options:
+    openai:
+      kind: asr
+      text_joiner: " "
+      audio:
+        language_key: language
+        prompt_key: prompt
+        text_joiner: " "
+        max_audio_seconds: 20
+"""
+
+TTS = """
+name: tts
+stages:
+  - name: tts
+    factory: audio_stages:Speaker
+    terminal: true
+serve:
+  apis: [openai]
+  options:
+    openai:
+      kind: tts
+      audio_stage: tts
+      voices: ["0", "1"]
+      voice_key: voice
+      sample_rate: 24000
+      audio:
+        speed_key: speed
+"""
+
+
+def serve(tmp_path_factory, name: str, config: str):
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / f"{name}.yaml").write_text(config)
+    return ServerProcess(str(tmp / f"{name}.yaml"), env={"PYTHONPATH": str(HERE)}, cwd=str(tmp),
+                         ready_timeout=300).serving()
+
+
+@pytest.fixture(scope="module")
+def asr(tmp_path_factory):
+    with serve(tmp_path_factory, "asr", ASR) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tts(tmp_path_factory):
+    with serve(tmp_path_factory, "tts", TTS) as srv:
+        yield srv
+
+
+@pytest.fixture
+def posts():
+    return []
+
+
+def sdk(server, posts):
+    def count(request: httpx.Request) -> None:
+        if request.method == "POST":
+            posts.append(request.url.path)
+
+    http = httpx.Client(event_hooks={"request": [count]}, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+@pytest.fixture
+def asr_client(asr, posts):
+    with sdk(asr, posts) as c:
+        yield c
+
+
+@pytest.fixture
+def tts_client(tts, posts):
+    with sdk(tts, posts) as c:
+        yield c
+
+
+def clip(seconds: float = 0.75, rate: int = 16000) -> np.ndarray:
+    """A tone whose loudness ramps up: each 0.1 s block reads as another word."""
+    t = np.arange(round(seconds * rate)) / rate
+    return (np.sin(2 * np.pi * 440 * t) * np.linspace(0.05, 0.9, len(t))).astype(np.float32)
+
+
+def audio_file(fmt: str, samples: np.ndarray | None = None, rate: int = 16000) -> bytes:
+    out = io.BytesIO()
+    samples = clip(rate=rate) if samples is None else samples
+    subtype = {"WAV": "PCM_16", "FLAC": "PCM_16", "OGG": "VORBIS", "MP3": "MPEG_LAYER_III"}[fmt]
+    soundfile.write(out, samples, rate, format=fmt, subtype=subtype)
+    return out.getvalue()
+
+
+def expected_words(data: bytes) -> list[tuple[float, float, str]]:
+    """What the toy ASR makes of a file, decoded as the server decodes it."""
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return transcribe(samples.mean(axis=1, dtype=np.float32), rate)
+
+
+def expected_text(data: bytes) -> str:
+    return " ".join(w for _, _, w in expected_words(data))
+
+
+def openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# -- transcriptions -------------------------------------------------------------------------------
+
+
+def test_the_asr_pipeline_is_the_model_and_has_no_chat_route(asr, asr_client):
+    assert [m.id for m in asr_client.models.list()] == ["asr"]
+    r = httpx.post(f"{asr.url}/v1/chat/completions", json={"model": "asr", "messages": []}, timeout=30)
+    assert r.status_code in (404, 405)
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "OGG", "MP3"])
+def test_a_transcription_of_each_file_type(asr_client, fmt, posts):
+    data = audio_file(fmt)
+    done = asr_client.audio.transcriptions.create(model="asr", file=(f"clip.{fmt.lower()}", data))
+    assert done.text == expected_text(data) and len(done.text.split()) >= 7
+    assert done.usage.type == "tokens" and done.usage.input_tokens == len(expected_words(data))
+    assert posts == ["/v1/audio/transcriptions"]
+
+
+def test_a_stereo_file_is_mixed_down(asr_client):
+    left = clip()
+    data = audio_file("WAV", np.stack([left, left * 0.5], axis=1))
+    assert asr_client.audio.transcriptions.create(model="asr", file=("s.wav", data)).text == expected_text(data)
+
+
+def test_text_srt_and_vtt(asr_client):
+    data = audio_file("WAV")
+    words = expected_words(data)
+    assert asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data),
+                                                  response_format="text") == expected_text(data)
+    srt = asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data), response_format="srt")
+    blocks = [b.split("\n") for b in srt.strip().split("\n\n")]
+    assert [b[0] for b in blocks] == [str(i) for i in range(1, len(words) + 1)]
+    assert blocks[1][1] == "00:00:00,100 --> 00:00:00,200" and [b[2] for b in blocks] == [w for _, _, w in words]
+    vtt = asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n") and "00:00:00.100 --> 00:00:00.200\n" + words[1][2] in vtt
+
+
+def test_verbose_json_with_segments_language_and_prompt(asr_client):
+    data = audio_file("FLAC")
+    words = expected_words(data)
+    done = asr_client.audio.transcriptions.create(model="asr", file=("a.flac", data), response_format="verbose_json",
+                                                  timestamp_granularities=["segment"], language="de", prompt="P: ")
+    assert done.language == "de" and done.text == "P: " + expected_text(data)
+    assert done.duration == pytest.approx(0.75)
+    assert [(s.start, s.end, s.text) for s in done.segments] == words
+
+
+def test_a_streamed_transcription_joins_to_the_whole_text(asr_client):
+    data = audio_file("WAV")
+    whole = asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data)).text
+    events = list(asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data), stream=True))
+    deltas = [e for e in events if e.type == "transcript.text.delta"]
+    assert len(deltas) == len(expected_words(data)) and events[-1].type == "transcript.text.done"
+    assert "".join(d.delta for d in deltas) == events[-1].text == whole
+    assert events[-1].usage.total_tokens == 2 * len(deltas)
+
+
+def test_a_streamed_transcription_as_text_over_plain_http(asr):
+    data = audio_file("WAV")
+    files = {"file": ("a.wav", data, "audio/wav")}
+    fields = {"model": "asr", "stream": "true", "response_format": "text"}
+    with httpx.stream("POST", f"{asr.url}/v1/audio/transcriptions", files=files, data=fields,
+                      headers={"accept": "application/json"}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "transcript.text.done" and events[-1]["text"] == expected_text(data)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_a_transcription_with_curl(asr, tmp_path):
+    path = tmp_path / "clip.wav"
+    path.write_bytes(audio_file("WAV"))
+    out = subprocess.run(["curl", "-sS", f"{asr.url}/v1/audio/transcriptions", "-F", f"file=@{path}",
+                          "-F", "model=asr", "-F", "response_format=text"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout == expected_text(path.read_bytes())
+
+
+@pytest.mark.parametrize("name, data, param, words", [
+    ("notes.txt", b"these are not audio bytes at all" * 10, "file", "not audio"),
+    ("empty.wav", b"", "file", "empty"),
+    ("long.wav", None, "file", "20 s"),
+])
+def test_bad_files_are_400s_after_one_post(asr_client, posts, name, data, param, words):
+    if data is None:  # 25 s at 8 kHz: under the body limit, over max_audio_seconds
+        data = audio_file("WAV", clip(25, 8000), 8000)
+    with pytest.raises(openai.BadRequestError) as caught:
+        asr_client.audio.transcriptions.create(model="asr", file=(name, data))
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and words in error["message"]
+    assert posts == ["/v1/audio/transcriptions"]
+
+
+def test_a_file_over_the_body_limit_is_a_413(asr_client, posts):
+    with pytest.raises(openai.APIStatusError) as caught:
+        asr_client.audio.transcriptions.create(model="asr", file=("big.wav", b"\0" * 1_500_000))
+    assert caught.value.status_code == 413 and "serve.max_request_bytes" in caught.value.body["message"]
+    assert caught.value.body["type"] == "invalid_request_error" and posts == ["/v1/audio/transcriptions"]
+
+
+def test_wrong_fields_and_unsupported_options_are_refused(asr):
+    url = f"{asr.url}/v1/audio/transcriptions"
+    wav = audio_file("WAV")
+    cases = [
+        ({"audio": ("a.wav", wav)}, {"model": "asr"}, "audio"),  # the wrong field name
+        ({}, {"model": "asr"}, "file"),
+        ({"file": ("a.wav", wav)}, {}, "model"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "response_format": "xml"}, "response_format"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "include[]": "logprobs"}, "include[]"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "timestamp_granularities[]": "word",
+                                    "response_format": "verbose_json"}, "timestamp_granularities[]"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "temperature": "0.5"}, "temperature"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "stream": "true", "response_format": "srt"}, "stream"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "stream": "yes"}, "stream"),
+    ]
+    for files, data, param in cases:  # every field a part of a multipart form
+        parts = [*files.items(), *((name, (None, value)) for name, value in data.items())]
+        openai_error(httpx.post(url, files=parts, timeout=30), 400, param)
+    openai_error(httpx.post(url, files={"file": ("a.wav", wav), "model": (None, "whisper")}, timeout=30), 404,
+                 "model")
+    openai_error(httpx.post(url, json={"model": "asr"}, timeout=30), 400)
+
+
+# -- speech ---------------------------------------------------------------------------------------
+
+
+def expected_pcm(text: str, speed: float = 1.0) -> bytes:
+    samples = np.concatenate(speak(text, 480, speed))
+    return np.rint(np.clip(samples, -1, 1) * np.float32(32767)).astype("<i2").tobytes()
+
+
+def test_speech_as_wav_and_pcm(tts_client, posts):
+    wav = tts_client.audio.speech.create(model="tts", voice="0", input="hello", response_format="wav").content
+    assert wav[:4] == b"RIFF" and wav[8:16] == b"WAVEfmt " and wav[36:40] == b"data"
+    assert struct.unpack("<HHI", wav[20:28]) == (1, 1, RATE) and wav[44:] == expected_pcm("hello")
+    pcm = tts_client.audio.speech.create(model="tts", voice="1", input="hello", response_format="pcm").content
+    assert pcm == expected_pcm("hello") and posts == ["/v1/audio/speech"] * 2
+
+
+def test_speech_speed_is_passed_on(tts_client):
+    pcm = tts_client.audio.speech.create(model="tts", voice="0", input="hey", response_format="pcm", speed=2.0)
+    assert pcm.content == expected_pcm("hey", 2.0) and len(pcm.content) == 3 * 240 * 2
+
+
+def test_speech_streamed_as_it_is_made(tts_client):
+    with tts_client.audio.speech.with_streaming_response.create(model="tts", voice="0", input="streaming speech",
+                                                                response_format="pcm") as r:
+        assert r.headers["content-type"] == "audio/pcm" and r.headers["x-sample-rate"] == "24000"
+        data = b"".join(r.iter_bytes())
+    assert data == expected_pcm("streaming speech")
+
+
+def test_speech_as_server_sent_events(tts_client):
+    with tts_client.audio.speech.with_streaming_response.create(model="tts", voice="0", input="abc",
+                                                                response_format="pcm", stream_format="sse") as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == expected_pcm("abc")
+    assert events[-1]["usage"] == {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6}
+
+
+def test_speech_as_flac_decodes_to_the_same_samples(tts_client):
+    flac = tts_client.audio.speech.create(model="tts", voice="0", input="flac", response_format="flac").content
+    samples, rate = soundfile.read(io.BytesIO(flac), dtype="int16")
+    assert rate == RATE and samples.astype("<i2").tobytes() == expected_pcm("flac")
+
+
+def test_bad_speech_requests_are_refused_after_one_post(tts, tts_client, posts):
+    cases = [
+        (dict(voice="0", input="hi", response_format="aac"), "response_format", "wav"),
+        (dict(voice="7", input="hi"), "voice", "0, 1"),
+        (dict(voice="0", input="hi", speed=9.0), "speed", "0.25"),
+        (dict(voice="0", input="hi", instructions="whisper it"), "instructions", "instructions"),
+        (dict(voice="0", input=""), "input", "input"),
+        (dict(voice="0", input="fail"), "input", "cannot be spoken"),
+    ]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            tts_client.audio.speech.create(model="tts", **kwargs)
+        assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
+    assert posts == ["/v1/audio/speech"] * len(cases)
+    with pytest.raises(openai.NotFoundError):
+        tts_client.audio.speech.create(model="csm", voice="0", input="hi")
+    openai_error(httpx.post(f"{tts.url}/v1/audio/speech", json={"model": "tts", "input": "x", "voice": "0",
+                                                                "pitch": 3}, timeout=30), 400, "pitch")
+    openai_error(httpx.post(f"{tts.url}/v1/audio/speech", content=b"{not json", timeout=30), 400)
