@@ -25,7 +25,9 @@ def validate(
     Stage factories are imported (from installed packages, the config file's folder and the
     working directory) to check that they exist and that `args` matches their signatures;
     --shallow skips that. Placement (GPU ids, memory budgets, TP ranks) is checked too when the
-    config places anything on GPUs or --gpus is given; `omni plan` shows the full plan."""
+    config places anything on GPUs or --gpus is given; `omni plan` shows the full plan.
+    Structural errors and the graph's are reported in one run, and serve.apis is checked as
+    `omni serve` checks it."""
     from ..config import load_config
     from ..errors import ConfigError
     from .importpath import add_config_import_paths
