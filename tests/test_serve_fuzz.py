@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omni_core.testing.fuzz import DEMO_INPUTS, fuzz_server
+from omni_core.testing.fuzz import DEMO_INPUTS, fuzz_server, fuzz_websocket
 from omni_core.testing.serve import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,16 +33,24 @@ KEY = "sk-fuzz-0123456789"
 
 #: Requests per server (the keyed and the open one): 2 x 1,200 = 2,400 in all.
 REQUESTS = int(os.environ.get("OMNI_FUZZ_REQUESTS", "1200"))
+#: Realtime sessions per server (``/v1/realtime``), each a few generated messages.
+WEBSOCKET_SESSIONS = int(os.environ.get("OMNI_FUZZ_SESSIONS", "60"))
 
 
 @pytest.mark.parametrize("key", [None, KEY], ids=["open", "with-key"])
 def test_no_request_drawn_from_the_openapi_document_gets_a_5xx(key, tmp_path):
-    args = ["--api-key", KEY] if key else []
+    args = ["--api", "realtime", *(["--api-key", KEY] if key else [])]
     with ServerProcess("demo", *args, env=ENV, cwd=str(tmp_path), ready_timeout=300).serving(stop_timeout=120) as server:
         report = fuzz_server(server.url, pipeline="demo", inputs=DEMO_INPUTS, key=key, requests=REQUESTS)
         print(report.summary())
         assert report.total >= REQUESTS and not report.missed, report.summary()
         assert not report.findings, report.summary()
+        websockets = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {key}"} if key else {},
+                               timeout=30).json()["x-websockets"]
+        assert websockets == ["/v1/realtime"]
+        sessions = fuzz_websocket(server.url, "/v1/realtime", model="demo", key=key, sessions=WEBSOCKET_SESSIONS)
+        print(sessions.summary())
+        assert not sessions.findings, sessions.summary()
         assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200
         if key:
             assert report.statuses[401] > 0

@@ -277,8 +277,107 @@ def fuzz_server(url: str, *, pipeline: str, inputs: PipelineInputs = DEMO_INPUTS
                 report.findings.append(f"{req['method']} {req['url']}: {status} {head} <- {req['content']!r:.300}")
 
     run()
+    # Every operation at least once, whatever the draws: its method, the pipeline in its path, {}.
+    sweep = []
+    for path, item in sorted(doc["paths"].items()):
+        for method, op in sorted(item.items()):
+            if f"{method.upper()} {path}" in covered:
+                continue
+            concrete = path
+            for param in op.get("parameters", ()):
+                if param.get("in") == "path":
+                    concrete = concrete.replace("{" + param["name"] + "}", pipeline)
+            sweep.append({"operation": f"{method.upper()} {path}", "method": method.upper(), "url": concrete,
+                          "headers": {"content-type": "application/json"}, "sets_timeout": False,
+                          "content": b"{}" if method in ("post", "put", "patch") else None})
+    for req, status, head in asyncio.run(send_all(url, sweep, auth, timeout)):
+        report.statuses[status] += 1
+        covered.add(req["operation"])
+        report.by_operation[(req["operation"], status)] += 1
+        if not isinstance(status, int) or status >= 500:
+            report.findings.append(f"{req['method']} {req['url']}: {status} {head} <- {req['content']!r:.300}")
     report.missed = {f"{m.upper()} {p}" for p, item in doc["paths"].items() for m in item} - covered
     return report
 
 
-__all__ = ["CHAT_FIELDS", "DEMO_INPUTS", "FuzzReport", "PipelineInputs", "fuzz_server"]
+# -- WebSockets (the Realtime protocol) -------------------------------------------------------------------
+
+#: Client events of OpenAI's Realtime protocol, and some that are not.
+REALTIME_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+                   "conversation.item.create", "conversation.item.truncate", "conversation.item.delete",
+                   "conversation.item.retrieve", "response.create", "response.cancel", "nope", "")
+
+REALTIME_FIELDS = {
+    "event_id": st.one_of(WORDS, ANY), "session": st.one_of(st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["realtime", "transcription", "x"]), "output_modalities": st.one_of(
+            st.sampled_from([["text"], ["audio"], ["text", "audio"]]), ANY),
+        "audio": ANY, "instructions": st.one_of(WORDS, ANY), "max_output_tokens": st.one_of(st.integers(-1, 20), ANY)}), ANY),
+    "audio": st.one_of(B64, ANY), "item": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["message", "x"])}, optional={
+        "role": st.sampled_from(["user", "assistant", "system", "x"]), "content": st.one_of(st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["input_text", "input_audio", "text", "x"])}, optional={"text": WORDS, "audio": B64}),
+            max_size=2), ANY), "id": ANY}), ANY),
+    "item_id": st.one_of(WORDS, ANY), "content_index": ANY, "audio_end_ms": st.one_of(st.integers(-5, 10**6), ANY),
+    "response": st.one_of(st.fixed_dictionaries({}, optional={"conversation": st.sampled_from(["auto", "none", "x"]),
+                                                               "output_modalities": ANY, "max_output_tokens": ANY}), ANY),
+    "previous_item_id": ANY,
+}
+
+REALTIME_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(REALTIME_EVENTS)}).flatmap(
+        lambda head: partial_object(REALTIME_FIELDS).map(lambda rest: json.dumps({**rest, **head}))),
+    JSON.map(json.dumps), WORDS, st.binary(max_size=64),
+)
+
+
+def fuzz_websocket(url: str, path: str, *, model: str, key: str | None = None, sessions: int = 60,
+                   messages: int = 6, batch: int = 10, seed_value: int = 31, quiet: float = 2.0) -> FuzzReport:
+    """Open ``sessions`` WebSockets at ``path`` (``?model=``, ``batch`` at once), each sending up to ``messages``
+    generated messages (Realtime events right and wrong, other JSON, text, bytes) and reading the
+    answers until the server is ``quiet`` seconds or closes. A finding is a handshake answered
+    ``>= 500``, a close with 1011 (the server's error), or a connection that breaks."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    ws_url = url.replace("http", "ws", 1) + f"{path}?model={model}"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    report = FuzzReport()
+
+    async def session(sent: list) -> tuple[Any, str]:
+        try:
+            async with connect(ws_url, additional_headers=headers, max_size=None, open_timeout=30) as ws:
+                for message in sent:
+                    await ws.send(message)
+                while True:
+                    try:
+                        await asyncio.wait_for(ws.recv(), quiet)
+                    except asyncio.TimeoutError:
+                        return "open", ""
+        except InvalidStatus as exc:
+            return exc.response.status_code, ""
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd is not None else None
+            return f"closed {code}", exc.rcvd.reason if exc.rcvd is not None else ""
+        except OSError as exc:
+            return type(exc).__name__, str(exc)
+
+    async def sessions_at_once(drawn: list) -> list:
+        return await asyncio.gather(*(session(sent) for sent in drawn))
+
+    @seed(seed_value)
+    @settings(max_examples=max(1, sessions // batch), deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.lists(REALTIME_MESSAGE, min_size=1, max_size=messages), min_size=batch, max_size=batch))
+    def run(drawn):
+        for sent, (status, reason) in zip(drawn, asyncio.run(sessions_at_once(drawn)), strict=True):
+            report.statuses[status] += 1
+            report.by_operation[(f"WEBSOCKET {path}", status)] += 1
+            broken = status in ("closed 1011", "closed None") or (isinstance(status, int) and status >= 500) \
+                or (isinstance(status, str) and not status.startswith(("open", "closed")))
+            if broken:
+                report.findings.append(f"WEBSOCKET {path}: {status} {reason} <- {sent!r:.300}")
+
+    run()
+    return report
+
+
+__all__ = ["CHAT_FIELDS", "DEMO_INPUTS", "FuzzReport", "PipelineInputs", "fuzz_server", "fuzz_websocket"]
