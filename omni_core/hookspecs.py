@@ -160,5 +160,7 @@ def omni_register_apis(register: Register) -> None:
     ``api.settings`` the server's settings and ``api.options`` this API's mapping from the config's
     ``serve.options``. It returns Starlette routes (a list of routes, a ``Router``) or a FastAPI
     ``APIRouter``. Mounted with ``omni serve --api NAME`` or the config's ``serve: {apis: [NAME]}``;
-    see docs/serving.md.
+    see docs/serving.md. ``options=`` is the schema of its ``serve.options.NAME``; ``chat=PATH``
+    says it serves an OpenAI-style chat completions route at ``PATH`` (streamed as server-sent
+    chunks), which the console's chat tab then talks to.
     """

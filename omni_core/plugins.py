@@ -246,6 +246,12 @@ def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str)
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: check= takes a function or a "
                               f"'package.module:function' path, got {value!r}")
         meta["check"] = value
+    if given.get("chat") is not None:  # an API's OpenAI-style chat completions route, for the console
+        value = given["chat"]
+        if not isinstance(value, str) or not value.startswith("/"):
+            raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: chat= takes the path of its OpenAI-style "
+                              f"chat completions route (like '/v1/chat/completions'), got {value!r}")
+        meta["chat"] = value
     if kind == "family":  # what serving a checkpoint folder decides from, without importing the family
         types, pipeline = given.get("model_types"), given.get("pipeline")
         if isinstance(types, str) or not types or not all(isinstance(t, str) and t for t in types):

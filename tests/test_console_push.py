@@ -58,6 +58,28 @@ def test_the_in_flight_gauge_of_a_dead_process_is_not_summed():
     assert kept[1]["values"] == exports[1]["values"]
 
 
+def chat_registry():
+    """A registry whose API 'openai' says it serves chat completions (as omni-contrib-stages' does)."""
+    import omni_core
+    from omni_core.plugins import load_plugins
+
+    class ChatApi:
+        @omni_core.hookimpl
+        def omni_register_apis(self, register):
+            register("openai", "acme_chat:make_routes", description="chat", chat="/v1/chat/completions")
+
+    return load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("chat", ChatApi())]).registry
+
+
+def test_the_console_asks_the_api_registry_for_the_chat_route():
+    from omni_core.serve.console import chat_path
+
+    registry = chat_registry()
+    assert chat_path(("openai",), registry) == "/v1/chat/completions"
+    assert chat_path(("realtime", "openai"), registry) == "/v1/chat/completions"
+    assert chat_path(("acme.api",), registry) is None and chat_path((), registry) is None
+
+
 def test_the_graph_groups_stages_by_process_with_their_gpus_and_relays(registry):
     from types import SimpleNamespace
 
@@ -71,7 +93,7 @@ def test_the_graph_groups_stages_by_process_with_their_gpus_and_relays(registry)
                     {"name": "llm", "tp_size": 2, "gpu": 0, "terminal": True, "wait_for": ["enc", "pre"],
                      "merge_fn": "stack"}, gpus=3)
     state = SimpleNamespace(pipeline=SimpleNamespace(plan=plan, config=plan.config), settings=ServeSettings(apis=("openai",)))
-    topo = topology(state)
+    topo = topology(state, chat_registry())
     groups = {g["name"]: g for g in topo["groups"]}
     assert groups["front"]["stages"] == ["enc", "pre"] and groups["front"]["gpus"] == [1]
     assert groups["front"]["label"] == "front · GPU 1"
@@ -79,7 +101,8 @@ def test_the_graph_groups_stages_by_process_with_their_gpus_and_relays(registry)
     assert groups["llm"]["label"] == "llm · tp 2 · GPUs 0, 1"
     assert {(e["src"], e["dst"], e["label"]) for e in topo["edges"]} == \
         {(e.src, e.dst, e.relay) for e in plan.edges}
-    assert topo["openai"] is True and topo["requests_path"] == f"/v1/pipelines/{plan.config.name}/requests"
+    assert topo["chat"] == "/v1/chat/completions" and topo["openai"] is True
+    assert topo["requests_path"] == f"/v1/pipelines/{plan.config.name}/requests"
 
 
 def test_the_page_fetches_nothing_from_elsewhere():

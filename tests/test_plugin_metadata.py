@@ -237,3 +237,19 @@ def test_a_serve_api_s_options_are_checked_against_its_declared_schema():
         "serve.options.meta.api.greting: unknown option 'greting' for API 'meta.api' (did you mean 'greeting'?)",
         "serve.options.meta.api.voice: expected a string or null, got 3",
     ]
+
+
+def test_an_api_s_chat_route_is_registration_metadata_and_a_bad_one_is_refused():
+    def good(register):
+        register("meta.chat", "meta_api:make_routes", chat="/v1/chat/completions")
+
+    registry = load_plugins(env=CORE_ONLY, extra=[("meta", _plugin(omni_register_apis=good))]).registry
+    assert registry.get("api", "meta.chat").meta["chat"] == "/v1/chat/completions"
+
+    def bad(register):
+        register("meta.chat", "meta_api:make_routes", chat="v1/chat")
+
+    plugins = load_plugins(env=CORE_ONLY, extra=[("meta", _plugin(omni_register_apis=bad))])
+    errors = [i.error for i in plugins.infos if i.error]
+    assert len(errors) == 1 and "chat= takes the path of its OpenAI-style chat completions route" in errors[0]
+    assert "'v1/chat'" in errors[0] and "meta.chat" not in plugins.registry.names("api")

@@ -16,7 +16,9 @@ from omni_core.plugins import load_plugins
 
 @pytest.fixture(scope="module")
 def plugins():
-    return load_plugins(env={})
+    """omni-core's built-ins and this distribution only (other omni plugins installed beside it
+    register pipelines and APIs of their own)."""
+    return load_plugins(env={"OMNI_LOAD_PLUGINS": "omni-contrib-stages"})
 
 
 def test_the_entry_point_loads_the_plugin_without_errors(plugins):
@@ -40,6 +42,9 @@ def test_every_registered_name_resolves_to_what_it_says(plugins):
     assert registry.names("pipeline") == ["demo"]
     assert registry.names("api") == ["openai", "realtime"]
     assert callable(registry.resolve("api", "openai")) and callable(registry.resolve("api", "realtime"))
+    # the console's chat tab finds the chat route by asking the registry
+    assert registry.get("api", "openai").meta["chat"] == "/v1/chat/completions"
+    assert "chat" not in registry.get("api", "realtime").meta
 
 
 def test_loading_the_plugin_imports_no_stage_code():

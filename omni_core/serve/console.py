@@ -93,15 +93,17 @@ def example_input(state: ServeState) -> Any:
     return options.get("example", {}) if isinstance(options, dict) else {}
 
 
-def topology(state: ServeState) -> dict[str, Any] | None:
-    """The graph: process groups (with their GPUs and processes), stages, edges and relays; None
-    until the plan is known (the pipeline is starting)."""
+def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
+    """The graph: process groups (with their GPUs and processes), stages, edges and relays, and the
+    chat route of a mounted API (``registry``'s registration, by default the process's); None until
+    the plan is known (the pipeline is starting)."""
     plan = state.pipeline.plan
     if plan is None:
         return None
     from ..plan.render import group_label
 
     cfg = plan.config
+    chat = chat_path(state.settings.apis, registry)
     groups = []
     for name in plan.groups:
         procs = plan.group(name)
@@ -122,10 +124,26 @@ def topology(state: ServeState) -> dict[str, Any] | None:
         "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay,
                    "label": e.relay if e.kind == "next" else f"stream: {e.relay}"} for e in plan.edges],
         "apis": list(state.settings.apis),
-        "openai": "openai" in state.settings.apis,
+        "chat": chat,
+        "openai": chat is not None,  # the former name of "chat is not None"
         "example": to_jsonable(example_input(state)),
         "requests_path": f"/v1/pipelines/{cfg.name}/requests",
     }
+
+
+def chat_path(apis: Any, registry: Any = None) -> str | None:
+    """The path of the chat completions route of the first mounted API whose registration says it
+    serves one (``register(..., chat="/v1/chat/completions")``): the console's chat tab talks to it."""
+    from ..plugins import get_registry
+
+    try:
+        registry = registry if registry is not None else get_registry()
+        for name in apis:
+            if registry.kind_of(name, ("api",)) == "api" and (path := registry.get("api", name).meta.get("chat")):
+                return str(path)
+    except Exception:  # the tab is a courtesy: never fail the page over it
+        return None
+    return None
 
 
 def quantile(row: list[float] | None, q: float) -> float | None:

@@ -185,7 +185,7 @@ function onTopology(topo) {
     exampleShown = true;
     $("playground-input").value = JSON.stringify(topo.example, null, 2);
   }
-  document.querySelector('[data-tab="chat"]').hidden = !topo.openai;
+  document.querySelector('[data-tab="chat"]').hidden = !topo.chat;
 }
 
 function onState(st) {
@@ -462,7 +462,7 @@ async function sendRequest() {
   }
 }
 
-// -- the chat tab (pipelines with the OpenAI API) -------------------------------------------------------
+// -- the chat tab (an API registered with chat=PATH) -------------------------------------------------------
 
 const chatHistory = [];
 
@@ -478,7 +478,7 @@ async function sendChat() {
   log.appendChild(answer);
   $("chat-send").disabled = true;
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await fetch(topology.chat, {
       method: "POST", headers: { "content-type": "application/json" },
       body: JSON.stringify({ model: topology.pipeline, messages: chatHistory, stream: true }),
     });
