@@ -8,9 +8,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -330,3 +333,43 @@ def test_bad_speech_requests_are_refused_after_one_post(tts, tts_client, posts):
     openai_error(httpx.post(f"{tts.url}/v1/audio/speech", json={"model": "tts", "input": "x", "voice": "0",
                                                                 "pitch": 3}, timeout=30), 400, "pitch")
     openai_error(httpx.post(f"{tts.url}/v1/audio/speech", content=b"{not json", timeout=30), 400)
+
+
+# -- the docs' examples -----------------------------------------------------------------------------
+
+DOCS = HERE.parents[1] / "docs" / "serving.md"
+
+
+def docs_examples(lang: str) -> list[str]:
+    text = DOCS.read_text()
+    section = text[text.index("\n## Speech in and out"):]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
+
+
+def test_the_docs_examples_run_as_written(asr, tts, tmp_path):
+    transcribe_script, speak_script = docs_examples("python")
+    data = audio_file("WAV")
+    (tmp_path / "clip.wav").write_bytes(data)
+    for name, script, server in (("t.py", transcribe_script, asr), ("s.py", speak_script, tts)):
+        (tmp_path / name).write_text(script)
+        out = subprocess.run([sys.executable, name], cwd=tmp_path, env={**os.environ, "OMNI_URL": server.url},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        server.printed = out.stdout
+    text = expected_text(data)
+    words = len(expected_words(data))
+    lines = asr.printed.splitlines()
+    assert lines[:3] == [text, text, f"[{2 * words} tokens]"] 
+    assert lines[3:6] == ["1", "00:00:00,000 --> 00:00:00,100", text.split()[0]] and len(lines) == 3 + 4 * words
+    assert tts.printed == f"hello.wav written; {len(expected_pcm('hello omni')) // 2} samples streamed\n"
+    assert (tmp_path / "hello.wav").read_bytes()[44:] == expected_pcm("hello omni")
+    (tmp_path / "hello.wav").unlink()
+    transcribe_curl, speak_curl = docs_examples("bash")
+    for command, server in ((transcribe_curl, asr), (speak_curl, tts)):
+        command = command.replace("http://127.0.0.1:8000", server.url).replace("\\\n", " ")
+        out = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        server.printed = out.stdout
+    assert asr.printed == text
+    assert (tmp_path / "hello.wav").read_bytes()[44:] == expected_pcm("hello omni")
