@@ -1,9 +1,9 @@
 """The fuzz of ``omni serve`` (:mod:`omni_core.testing.fuzz`) on ``qwen2_5_omni`` with the tiny
 checkpoint, with an API key set (requests with it, without it and with a wrong one): every
-operation of its OpenAPI document (the core routes, the console's, the OpenAI API's), the pipeline's
-inputs right and wrong (``text``, ``messages`` with audio and image parts, server paths, data URLs
-that are not media, huge token counts); no answer ``>= 500``, ``/ready`` after, no file a request
-chose."""
+operation of its OpenAPI document (the core routes, the console's, the OpenAI API's, and Realtime
+sessions on ``/v1/realtime``), the pipeline's inputs right and wrong (``text``, ``messages`` with
+audio and image parts, server paths, data URLs that are not media, huge token counts); no answer
+``>= 500``, ``/ready`` after, no file a request chose."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from omni_core.testing.fuzz import (
     WORDS,
     PipelineInputs,
     fuzz_server,
+    fuzz_websocket,
 )
 from omni_core.testing.serve import ServerProcess
 
@@ -52,6 +53,9 @@ def test_no_request_drawn_from_the_openapi_document_gets_a_5xx(tiny_model, tmp_p
         print(report.summary())
         assert report.total >= REQUESTS and not report.missed, report.summary()
         assert not report.findings, report.summary()
+        sessions = fuzz_websocket(server.url, "/v1/realtime", model="qwen2_5_omni", key=KEY, sessions=20)
+        print(sessions.summary())
+        assert not sessions.findings, sessions.summary()
         assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200
     # No request chose a file: the one file is the operator's, token2wav's wav_path argument in the
     # shipped config (each request without a wav_path of its own overwrites it).
