@@ -246,6 +246,9 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
 
     model = api.pipeline_name
     audio = audio_options(opts.get("audio"))
+    if kind == "tts" and opts["audio_stage"] is None:
+        raise ValueError("serve.options.openai.audio_stage: kind tts needs the stage whose chunks carry the speech "
+                         f"(stages: {', '.join(api.pipeline.config.stage_names)})")
     log = get_logger(component="openai", pipeline=model)
     params = {audio["audio_key"]: "file", audio["language_key"]: "language", audio["prompt_key"]: "prompt",
               audio["temperature_key"]: "temperature", audio["input_key"]: "input", opts["voice_key"]: "voice",
@@ -572,9 +575,6 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         return {"input_tokens": found[0], "output_tokens": found[1], "total_tokens": found[0] + found[1]}
 
     async def speech(request: Any) -> Any:
-        if opts["audio_stage"] is None:
-            return error(500, "serve.options.openai.audio_stage is not set: this pipeline's speech has no source",
-                         code="InternalError")
         try:
             try:
                 body = parse_json(await request.body())

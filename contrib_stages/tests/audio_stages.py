@@ -6,7 +6,9 @@ time, with a segment per word; :func:`transcribe` is the same function for the t
 
 ``Speaker`` speaks ``text`` as one tone per character (``samples_per_char`` samples of a sine at
 a frequency given by the character, scaled by ``speed``), emitting each as a chunk of float32
-samples; :func:`speak` is the same function. ``"fail"`` as the text makes it refuse its input.
+samples; :func:`speak` is the same function. ``"fail"`` as the text makes it refuse its input; a
+text starting with ``"hold"`` makes it wait after the first tone until the test creates a file of
+that name in ``$AUDIO_STAGES_HOLD``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,22 @@ def speak(text: str, samples_per_char: int, speed: float = 1.0) -> list[np.ndarr
     return [(0.5 * np.sin(2 * np.pi * (200 + 10 * (ord(c) % 64)) * t)).astype(np.float32) for c in text]
 
 
+async def hold(name: str, deadline: float = 60.0) -> None:
+    """Wait until the test creates the file ``name`` in ``$AUDIO_STAGES_HOLD`` (so it can see what
+    arrived before the rest is made), for ``deadline`` seconds at most."""
+    import asyncio
+    import os
+    import time
+    from pathlib import Path
+
+    path = Path(os.environ["AUDIO_STAGES_HOLD"]) / name
+    end = time.monotonic() + deadline
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} never appeared")
+        await asyncio.sleep(0.01)
+
+
 class Speaker:
     def __init__(self, samples_per_char: int = 480):
         self.samples_per_char = samples_per_char
@@ -68,6 +86,8 @@ class Speaker:
         if voice not in (None, "0", "1"):
             raise InvalidInput(f"unknown voice {voice!r}", field="voice")
         tones = speak(text, self.samples_per_char, inputs.get("speed", 1.0))
-        for tone in tones:
+        for index, tone in enumerate(tones):
             await ctx.emit({"pcm16": torch.from_numpy(tone), "sample_rate": RATE})
+            if index == 0 and text.startswith("hold"):
+                await hold(text)
         return {"prompt_tokens": len(text), "completion_tokens": len(tones)}

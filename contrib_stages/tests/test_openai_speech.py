@@ -69,10 +69,10 @@ serve:
 """
 
 
-def serve(tmp_path_factory, name: str, config: str):
+def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None = None):
     tmp = tmp_path_factory.mktemp(name)
     (tmp / f"{name}.yaml").write_text(config)
-    return ServerProcess(str(tmp / f"{name}.yaml"), env={"PYTHONPATH": str(HERE)}, cwd=str(tmp),
+    return ServerProcess(str(tmp / f"{name}.yaml"), env={"PYTHONPATH": str(HERE), **(env or {})}, cwd=str(tmp),
                          ready_timeout=300).serving()
 
 
@@ -84,7 +84,9 @@ def asr(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tts(tmp_path_factory):
-    with serve(tmp_path_factory, "tts", TTS) as srv:
+    hold = tmp_path_factory.mktemp("hold")
+    with serve(tmp_path_factory, "tts", TTS, {"AUDIO_STAGES_HOLD": str(hold)}) as srv:
+        srv.hold = hold
         yield srv
 
 
@@ -261,6 +263,8 @@ def test_wrong_fields_and_unsupported_options_are_refused(asr):
         ({"file": ("a.wav", wav)}, {"model": "asr", "temperature": "0.5"}, "temperature"),
         ({"file": ("a.wav", wav)}, {"model": "asr", "stream": "true", "response_format": "srt"}, "stream"),
         ({"file": ("a.wav", wav)}, {"model": "asr", "stream": "yes"}, "stream"),
+        ({}, {"model": "asr", "file": "not a file part"}, "file"),
+        ({"file": ("a.wav", wav)}, {"model": "asr", "language": "en"} | {f"x{i}": "1" for i in range(40)}, None),
     ]
     for files, data, param in cases:  # every field a part of a multipart form
         parts = [*files.items(), *((name, (None, value)) for name, value in data.items())]
@@ -297,6 +301,34 @@ def test_speech_streamed_as_it_is_made(tts_client):
         assert r.headers["content-type"] == "audio/pcm" and r.headers["x-sample-rate"] == "24000"
         data = b"".join(r.iter_bytes())
     assert data == expected_pcm("streaming speech")
+
+
+@pytest.mark.parametrize("fmt, header", [("pcm", 0), ("wav", 44)])
+def test_speech_bytes_leave_as_the_audio_is_made(tts, tts_client, fmt, header):
+    text = f"hold-{fmt}"  # the stage waits after its first tone until the test creates this file
+    tone = expected_pcm(text)[:480 * 2]
+    with tts_client.audio.speech.with_streaming_response.create(model="tts", voice="0", input=text,
+                                                                response_format=fmt) as r:
+        chunks = r.iter_bytes()
+        first = b""
+        while len(first) < header + len(tone):  # all of it is there while the rest is not made yet
+            first += next(chunks)
+        assert first[header:] == tone
+        (tts.hold / text).touch()
+        data = first + b"".join(chunks)
+    assert data[header:] == expected_pcm(text)
+
+
+def test_eight_concurrent_speech_requests_each_get_their_own_audio(tts_client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"voice number {i} says {'x' * i}" for i in range(8)]
+
+    def one(text: str) -> bytes:
+        return tts_client.audio.speech.create(model="tts", voice="1", input=text, response_format="pcm").content
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, texts)) == [expected_pcm(t) for t in texts]
 
 
 def test_speech_as_server_sent_events(tts_client):
@@ -360,7 +392,7 @@ def test_the_docs_examples_run_as_written(asr, tts, tmp_path):
     text = expected_text(data)
     words = len(expected_words(data))
     lines = asr.printed.splitlines()
-    assert lines[:3] == [text, text, f"[{2 * words} tokens]"] 
+    assert lines[:3] == [text, text, f"[{2 * words} tokens]"]
     assert lines[3:6] == ["1", "00:00:00,000 --> 00:00:00,100", text.split()[0]] and len(lines) == 3 + 4 * words
     assert tts.printed == f"hello.wav written; {len(expected_pcm('hello omni')) // 2} samples streamed\n"
     assert (tmp_path / "hello.wav").read_bytes()[44:] == expected_pcm("hello omni")
@@ -373,3 +405,13 @@ def test_the_docs_examples_run_as_written(asr, tts, tmp_path):
         server.printed = out.stdout
     assert asr.printed == text
     assert (tmp_path / "hello.wav").read_bytes()[44:] == expected_pcm("hello omni")
+
+
+def test_bad_audio_options_are_refused_naming_them():
+    from omni_contrib_stages.openai_audio import audio_options
+
+    assert audio_options(None)["audio_key"] == "audio"
+    with pytest.raises(ValueError) as caught:
+        audio_options({"bogus": 1, "max_audio_seconds": -3})
+    assert "serve.options.openai.audio.bogus: unknown option" in str(caught.value)
+    assert "serve.options.openai.audio.max_audio_seconds: expected a positive number" in str(caught.value)
