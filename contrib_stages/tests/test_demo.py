@@ -13,7 +13,7 @@ import pytest
 from conftest import arun
 from omni_contrib_stages.demo.models import PATTERN, VOCAB, WORDS
 
-from omni_core import Pipeline, StageError
+from omni_core import Pipeline, StageError, metrics
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,6 +169,18 @@ def test_audio_and_image_inputs_are_accepted(demo, tmp_path):
     assert given["thinker"]["token_ids"] != default["thinker"]["token_ids"]  # the encoders' output matters
 
 
+def stage_calls(pipeline):
+    """The stage calls that ended, by ``(stage, status)``, over every process (omni_stage_calls_total)."""
+    rows = metrics.collect(pipeline)["values"].get("omni_stage_calls_total", [])
+    return {tuple(labels): value for labels, value in rows}
+
+
+def in_flight(pipeline):
+    """The stages with a call running now (omni_stage_in_flight)."""
+    rows = metrics.collect(pipeline)["values"].get("omni_stage_in_flight", [])
+    return {labels[0]: value for labels, value in rows if value}
+
+
 def test_leaving_the_stream_early_aborts_the_request_everywhere(demo, tmp_path):
     pipeline, call = demo
 
@@ -182,9 +194,19 @@ def test_leaving_the_stream_early_aborts_the_request_everywhere(demo, tmp_path):
         await stream.aclose()
         return events
 
+    before = stage_calls(pipeline)
     events = call(read_three())
     assert [e.data["index"] for e in events] == [0, 1, 2]
-    time.sleep(1.5)  # unaborted, the thinker would have finished its 40 words and the vocoder its file
+    # Wait until the request ended in every stage that ran it: the thinker's call and the
+    # vocoder's ended, aborted (unaborted, the thinker would finish its 40 words and the vocoder
+    # write its file), and no stage has a call in flight.
+    deadline = time.monotonic() + 30
+    while True:
+        ended = {stage: n - before.get(stage, 0) for stage, n in stage_calls(pipeline).items()}
+        if ended.get(("thinker", "aborted")) and ended.get(("vocoder", "aborted")) and not in_flight(pipeline):
+            break
+        assert time.monotonic() < deadline, f"the aborted request did not end everywhere: calls ended {ended}"
+        time.sleep(0.05)
     assert not list(tmp_path.iterdir())  # no WAV, no partial file
     again = call(pipeline.submit({"text": TEXT, "wav_path": str(tmp_path / "after.wav"), "max_tokens": 3}))
     assert len(again["thinker"]["token_ids"]) == 3 and os.path.exists(again["vocoder"]["wav_path"])
