@@ -56,6 +56,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -187,6 +188,10 @@ def vtt(segments: list[dict[str, Any]]) -> str:
                                   for s in segments)
 
 
+#: A segment's fields that verbose_json passes on when the result's segment has them (none is made up).
+SEGMENT_EXTRAS = ("seek", "tokens", "temperature", "avg_logprob", "compression_ratio", "no_speech_prob")
+
+
 def segments_of(part: Any, field: str, text: str, duration: float) -> list[dict[str, Any]]:
     """The result's segments as ``{id, start, end, text}`` (one segment of the whole file when it
     gives none, or gives them malformed)."""
@@ -199,7 +204,8 @@ def segments_of(part: Any, field: str, text: str, duration: float) -> list[dict[
                             for k in ("start", "end"))):
                 out = []
                 break
-            out.append({"id": i, "start": float(seg["start"]), "end": float(seg["end"]), "text": seg["text"]})
+            extra = {k: seg[k] for k in SEGMENT_EXTRAS if k in seg}
+            out.append({"id": i, "start": float(seg["start"]), "end": float(seg["end"]), "text": seg["text"], **extra})
     return out or [{"id": 0, "start": 0.0, "end": duration, "text": text}]
 
 
@@ -389,7 +395,7 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
     def transcription_usage(part: Any, duration: float) -> dict[str, Any]:
         found = counts(part)
         if found is None:
-            return {"type": "duration", "seconds": max(1, round(duration))}
+            return {"type": "duration", "seconds": max(1, math.ceil(duration))}
         return {"type": "tokens", "input_tokens": found[0], "output_tokens": found[1],
                 "total_tokens": found[0] + found[1]}
 
@@ -455,11 +461,8 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         if fmt == "vtt":
             return Response(vtt(segments), media_type="text/vtt")
         language = part.get(audio["language_field"]) if isinstance(part, Mapping) else None
-        return JSONResponse({"task": "transcribe", "language": language if isinstance(language, str) else "unknown",
-                             "duration": req["duration"], "text": text,
-                             "segments": [{**s, "seek": 0, "tokens": [], "temperature": 0.0, "avg_logprob": 0.0,
-                                           "compression_ratio": 0.0, "no_speech_prob": 0.0} for s in segments],
-                             "usage": usage})
+        return JSONResponse({"task": "transcribe", "language": language if isinstance(language, str) else None,
+                             "duration": req["duration"], "text": text, "segments": segments, "usage": usage})
 
     async def streamed_transcript(first: Any, events: Any, req: dict[str, Any]) -> Any:
         def sse(data: dict[str, Any]) -> bytes:

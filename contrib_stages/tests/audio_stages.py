@@ -47,7 +47,7 @@ class Transcriber:
             await ctx.emit({"text": word})
         text = " ".join(w for _, _, w in words)
         return {"text": (prefix + text) if prefix else text, "language": language,
-                "segments": [{"start": s, "end": e, "text": w} for s, e, w in words],
+                "segments": [{"start": s, "end": e, "text": w, "no_speech_prob": 0.5} for s, e, w in words],
                 "prompt_tokens": len(words), "completion_tokens": len(words)}
 
 

@@ -194,6 +194,9 @@ def test_verbose_json_with_segments_language_and_prompt(asr_client):
     assert done.language == "de" and done.text == "P: " + expected_text(data)
     assert done.duration == pytest.approx(0.75)
     assert [(s.start, s.end, s.text) for s in done.segments] == words
+    assert [s.id for s in done.segments] == list(range(len(words)))
+    assert {s.no_speech_prob for s in done.segments} == {0.5} and "avg_logprob" not in done.segments[0].model_dump(
+        exclude_unset=True)
 
 
 def test_a_streamed_transcription_joins_to_the_whole_text(asr_client):
