@@ -351,7 +351,7 @@ def test_every_malformed_input_is_an_error_event_and_the_session_goes_on(server)
                     event = json.dumps({**event, "event_id": f"bad-{i}"})
                 await conn.send_raw(event)
                 errors.append(await until(conn, "error"))
-            await conn._connection.send(b"\x00binary")
+            await conn.send_raw(b"\x00binary")  # a binary frame
             errors.append(await until(conn, "error"))
             # A response.create while one runs.
             await conn.conversation.item.create(item={"type": "message", "role": "user",
