@@ -97,14 +97,21 @@ def connect(srv: ServerProcess, model: str = "voice"):
     return client.realtime.connect(model=model, max_retries=0)
 
 
-async def until(conn, kind: str, seen: list | None = None) -> list:
-    """Events up to and including the first of type ``kind``."""
+async def until(conn, kind: str, seen: list | None = None, timeout: float = 60.0) -> list:
+    """Events up to and including the first of type ``kind``, within ``timeout`` seconds."""
     events = [] if seen is None else seen
-    async for event in conn:
-        events.append(event)
-        if event.type == kind:
-            return events
-    raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
+
+    async def read() -> list:
+        async for event in conn:
+            events.append(event)
+            if event.type == kind:
+                return events
+        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
 
 
 def types(events) -> list[str]:
