@@ -135,7 +135,7 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
     async def openapi_json(request):
         from .openapi import openapi_document
 
-        return JSONResponse(openapi_document(state, app.routes))
+        return JSONResponse(openapi_document(state, app.routes, CORE_PATHS))
 
     routes = [
         Route("/openapi.json", openapi_json, methods=["GET"]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import __version__ as omni_version
+from .._version import __version__ as omni_version
 from .context import ServeState
 
 _CORE_ERROR = {
@@ -139,15 +139,14 @@ def _path(route: Any) -> str:
     return getattr(route, "path_format", None) or route.path
 
 
-def openapi_document(state: ServeState, routes: list[Any]) -> dict[str, Any]:
-    """The document for a server whose Starlette app has ``routes`` (the core's and the APIs')."""
-    from .app import CORE_PATHS
-
+def openapi_document(state: ServeState, routes: list[Any], core: tuple[str, ...]) -> dict[str, Any]:
+    """The document for a server whose Starlette app has ``routes`` (the core's and the APIs');
+    ``core``: the core routes' paths (described here, not taken from ``routes``)."""
     paths = core_paths(state)
     websockets = []
     for route in routes:
         path = getattr(route, "path", None)
-        if path is None or path in CORE_PATHS:
+        if path is None or path in core:
             continue
         if type(route).__name__ == "WebSocketRoute":
             websockets.append(path)
