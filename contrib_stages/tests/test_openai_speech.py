@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -69,10 +70,10 @@ serve:
 """
 
 
-def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None = None):
+def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None = None, *args: str):
     tmp = tmp_path_factory.mktemp(name)
     (tmp / f"{name}.yaml").write_text(config)
-    return ServerProcess(str(tmp / f"{name}.yaml"), env={"PYTHONPATH": str(HERE), **(env or {})}, cwd=str(tmp),
+    return ServerProcess(str(tmp / f"{name}.yaml"), *args, env={"PYTHONPATH": str(HERE), **(env or {})}, cwd=str(tmp),
                          ready_timeout=300).serving()
 
 
@@ -418,3 +419,49 @@ def test_bad_audio_options_are_refused_naming_them():
         audio_options({"bogus": 1, "max_audio_seconds": -3})
     assert "serve.options.openai.audio.bogus: unknown option" in str(caught.value)
     assert "serve.options.openai.audio.max_audio_seconds: expected a positive number" in str(caught.value)
+
+
+# -- requests as the server counts and guards them ------------------------------------------------
+
+
+def metric(srv, name: str, **labels: str) -> float:
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def wait_metric(srv, name: str, value: float, timeout: float = 30, **labels: str) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := metric(srv, name, **labels)) != value:
+        assert time.monotonic() < deadline, f"{name}{labels} stayed {got}, expected {value}"
+        time.sleep(0.05)
+
+
+def test_a_client_leaving_mid_speech_aborts_its_request(tts, tts_client):
+    wait_metric(tts, "omni_requests_in_flight", 0)
+    aborted = metric(tts, "omni_requests_total", status="aborted")
+    with tts_client.audio.speech.with_streaming_response.create(model="tts", voice="0", input="hold-forever",
+                                                                response_format="pcm") as r:
+        chunks = r.iter_bytes()
+        assert next(chunks)  # the first tone; the stage now waits for a file that never comes
+        assert metric(tts, "omni_requests_in_flight") == 1
+        chunks.close()
+    wait_metric(tts, "omni_requests_in_flight", 0)
+    wait_metric(tts, "omni_requests_total", aborted + 1, status="aborted")
+    ok = metric(tts, "omni_requests_total", status="ok")
+    assert tts_client.audio.speech.create(model="tts", voice="0", input="ok", response_format="pcm").content
+    wait_metric(tts, "omni_requests_total", ok + 1, status="ok")
+
+
+def test_the_audio_routes_need_the_api_key(tmp_path_factory):
+    with serve(tmp_path_factory, "keyed", ASR.replace("name: asr", "name: keyed"), None, "--api-key", "sesame") as srv:
+        data = audio_file("WAV")
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0, timeout=60) as c, \
+                pytest.raises(openai.AuthenticationError):
+            c.audio.transcriptions.create(model="keyed", file=("a.wav", data))
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sesame", max_retries=0, timeout=60) as c:
+            assert c.audio.transcriptions.create(model="keyed", file=("a.wav", data)).text == expected_text(data)
