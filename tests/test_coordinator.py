@@ -764,7 +764,7 @@ async def test_a_death_spares_the_requests_the_caller_heard_from_past_the_dead_s
     assert rig.co.fail_where({"b"}, lambda req: ProcessDied(process="b", pid=1, request_id=req.request_id)) == 1
     with pytest.raises(ProcessDied):
         await before
-    assert rig.co.processes_of(1, rig.co.requests[1].past) == {"c"}
+    assert rig.co.processes_of(1, rig.co.past(rig.co.requests[1])) == {"c"}
     rig.result(1, "c", "done")
     assert await past == "done"
     rig.assert_empty()

@@ -286,12 +286,10 @@ class Coordinator:
         if msg.kind == "result":
             if msg.stage in req.expected or (not req.expected and not req.results):
                 req.results[msg.stage] = payload
-            self._heard(req, msg.stage)
-            req.past.add(msg.stage)  # a result is a stage's last word
             self._maybe_complete(req)
         elif msg.kind == "event":
             if msg.stage not in req.heard:
-                self._heard(req, msg.stage)
+                req.heard.add(msg.stage)
             if req.events is not None:
                 req.events.put_nowait((Event("chunk", msg.stage, payload), msg.origin))
             else:  # nobody reads chunks of a submitted request: their credit comes back at once
@@ -299,12 +297,15 @@ class Coordinator:
         else:
             self.finish(req, error=StageError(f"unexpected message kind {msg.kind!r}", stage=msg.src, request_id=req.request_id, error_type="ProtocolError"))
 
-    def _heard(self, req: Request, stage: str) -> None:
-        """The caller heard from ``stage``: the stages on the line to it are done with ``req``."""
-        req.heard.add(stage)
-        passed = self.graph.passed.get(stage)
-        if passed:
-            req.past.update(passed)
+    def past(self, req: Request) -> set[str]:
+        """The stages known to be done with ``req``: those that sent it a result (a stage's last
+        word) and those on the line to a stage the caller heard from (a chunk or a result).
+        Worked out only when a process dies: receiving costs nothing for it."""
+        passed = self.graph.passed
+        out = set(req.results)
+        for stage in (*req.heard, *req.results):
+            out.update(passed.get(stage, ()))
+        return out
 
     def _on_failed(self, msg: wire.Failed) -> None:
         if msg.rid in self.requests:
@@ -400,7 +401,7 @@ class Coordinator:
     def fail_where(self, processes: set[str], error: Callable[[Request], BaseException]) -> int:
         """Fail every request that is, or will be, in one of ``processes`` (decided by where
         each request is: the stages known done with it no longer count); returns how many."""
-        hit = [req for rid, req in self.requests.items() if self.processes_of(rid, req.past) & processes]
+        hit = [req for rid, req in self.requests.items() if self.processes_of(rid, self.past(req)) & processes]
         for req in hit:
             exc = error(req)
             if self._retryable(req, exc):

@@ -49,9 +49,7 @@ class Request:
     last_dropper: str | None = None
     #: stream credits read but not yet given back, per (stage, origin process)
     owed: dict[tuple[str, str], int] = attrs.Factory(dict)
-    #: stages known to be done with the request (what a process death there no longer costs it)
-    past: set[str] = attrs.Factory(set)
-    #: stages the caller heard from (a chunk or a result)
+    #: stages the caller got a chunk from (Coordinator.past: the stages done with the request)
     heard: set[str] = attrs.Factory(set)
     #: retries: how many times the request may run (1: once), which errors it is run again
     #: after, its attempt (1 for the first), and what the next attempt sends again
@@ -74,7 +72,6 @@ class Request:
         self.dropped.clear()
         self.dead.clear()
         self.owed.clear()
-        self.past.clear()
         self.heard.clear()
         self.last_dropper = None
         self.open_streams = set(self.caller_streams)
