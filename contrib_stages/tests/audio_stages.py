@@ -2,7 +2,9 @@
 
 ``Transcriber`` "transcribes" by a deterministic function of the audio: one word per 0.1 s block,
 the block's loudness as a letter (``a``: silence ... ``z``: full scale), streamed one word at a
-time, with a segment per word; :func:`transcribe` is the same function for the tests.
+time, with a segment per word; :func:`transcribe` is the same function for the tests. A prompt is
+the first piece of the text; one starting with ``"hold"`` makes it wait after that piece until the
+test creates a file of that name in ``$AUDIO_STAGES_HOLD``.
 
 ``Speaker`` speaks ``text`` as one tone per character (``samples_per_char`` samples of a sine at
 a frequency given by the character, scaled by ``speed``), emitting each as a chunk of float32
@@ -43,10 +45,12 @@ class Transcriber:
         words = transcribe(audio.numpy(), rate)
         prefix = inputs.get("prompt") or ""
         language = inputs.get("language") or "en"
-        for _, _, word in words:
-            await ctx.emit({"text": word})
-        text = " ".join(w for _, _, w in words)
-        return {"text": (prefix + text) if prefix else text, "language": language,
+        pieces = ([prefix.strip()] if prefix.strip() else []) + [w for _, _, w in words]
+        for index, piece in enumerate(pieces):
+            await ctx.emit({"text": piece})
+            if index == 0 and prefix.startswith("hold"):
+                await hold(prefix)
+        return {"text": " ".join(pieces), "language": language,
                 "segments": [{"start": s, "end": e, "text": w, "no_speech_prob": 0.5} for s, e, w in words],
                 "prompt_tokens": len(words), "completion_tokens": len(words)}
 

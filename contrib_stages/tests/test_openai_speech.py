@@ -79,7 +79,9 @@ def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None =
 
 @pytest.fixture(scope="module")
 def asr(tmp_path_factory):
-    with serve(tmp_path_factory, "asr", ASR) as srv:
+    hold = tmp_path_factory.mktemp("hold")
+    with serve(tmp_path_factory, "asr", ASR, {"AUDIO_STAGES_HOLD": str(hold)}) as srv:
+        srv.hold = hold
         yield srv
 
 
@@ -192,7 +194,7 @@ def test_verbose_json_with_segments_language_and_prompt(asr_client):
     words = expected_words(data)
     done = asr_client.audio.transcriptions.create(model="asr", file=("a.flac", data), response_format="verbose_json",
                                                   timestamp_granularities=["segment"], language="de", prompt="P: ")
-    assert done.language == "de" and done.text == "P: " + expected_text(data)
+    assert done.language == "de" and done.text == "P: " + expected_text(data)  # the toy's text starts with the prompt
     assert done.duration == pytest.approx(0.75)
     assert [(s.start, s.end, s.text) for s in done.segments] == words
     assert [s.id for s in done.segments] == list(range(len(words)))
@@ -208,6 +210,20 @@ def test_a_streamed_transcription_joins_to_the_whole_text(asr_client):
     assert len(deltas) == len(expected_words(data)) and events[-1].type == "transcript.text.done"
     assert "".join(d.delta for d in deltas) == events[-1].text == whole
     assert events[-1].usage.total_tokens == 2 * len(deltas)
+
+
+def test_a_streamed_transcription_sends_each_piece_as_it_is_made(asr, asr_client):
+    data = audio_file("WAV")
+    words = expected_words(data)
+    stream = asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data), stream=True,
+                                                    prompt="hold-asr")  # the stage waits after its first word
+    events = iter(stream)
+    first = next(events)  # all of the text there is while the rest is not made yet
+    assert (first.type, first.delta) == ("transcript.text.delta", "hold-asr")
+    (asr.hold / "hold-asr").touch()
+    rest = list(events)
+    assert [e.type for e in rest] == ["transcript.text.delta"] * len(words) + ["transcript.text.done"]
+    assert "".join(e.delta for e in [first, *rest[:-1]]) == rest[-1].text == "hold-asr " + expected_text(data)
 
 
 def test_a_streamed_transcription_as_text_over_plain_http(asr):
