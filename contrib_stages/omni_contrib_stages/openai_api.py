@@ -61,6 +61,11 @@ the model saw them), ``completion_tokens`` (int: the generated tokens) and ``fin
 is then ``"stop"``. A streamed response's last choice chunk has the finish reason; with
 ``stream_options: {"include_usage": true}`` one more chunk follows with ``usage`` and no choices
 (every chunk has ``usage``, null until then), as OpenAI sends them.
+
+Layout: :func:`parse_request` checks a request; :class:`ChatApi` holds the routes (a whole answer
+from each choice's :class:`_Choice`, a streamed one from :class:`_ChunkStream`); how a stage's
+chunks and result are read (``text_of``, ``audio_of``, ``rate_of``, ``usage_of``, ``pcm16`` ...)
+is :mod:`omni_contrib_stages.api_common`'s, shared with the ``realtime`` API.
 """
 
 from __future__ import annotations

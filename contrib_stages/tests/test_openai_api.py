@@ -263,7 +263,7 @@ def test_a_stream_ends_with_its_finish_reason_then_the_usage_chunk_when_asked(cl
 
 
 def test_the_usage_fields_are_adapter_options():
-    from omni_contrib_stages.openai_api import usage_of
+    from omni_contrib_stages.api_common import usage_of
 
     opts = adapter_options({"prompt_tokens_field": "n_in", "completion_tokens_field": "n_out",
                             "finish_reason_field": "why"}, load_config("demo"))
@@ -278,12 +278,34 @@ def test_the_usage_fields_are_adapter_options():
 def test_a_one_stage_result_with_a_field_named_like_its_stage_is_that_stages_part():
     """Qwen's text-only stage is named ``text`` and its result has a ``text`` field: that string
     is not the stage's part of the result (a result keyed by stage holds mappings)."""
-    from omni_contrib_stages.openai_api import _final_text, usage_of
+    from omni_contrib_stages.api_common import final_text, usage_of
 
     opts = adapter_options({}, load_config("demo"))
     result = {"text": "hello", "prompt_tokens": 5, "completion_tokens": 2, "finish_reason": "length"}
     assert usage_of(result, opts, "text") == ({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
                                               "length")
-    assert _final_text(result, {**opts, "result_text_field": "text"}, ["he", "llo!"], "text") == "hello"
+    assert final_text(result, {**opts, "result_text_field": "text"}, ["he", "llo!"], "text") == "hello"
     keyed = {"text": {"text": "hi", "prompt_tokens": 1, "completion_tokens": 1}, "token2wav": {}}
     assert usage_of(keyed, opts, "text")[0] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+
+def test_the_openai_and_realtime_apis_read_a_pipeline_through_one_module():
+    """The chunk readers, usage and audio helpers both APIs use are api_common's (the names the
+    openai module exported stay importable from it)."""
+    from omni_contrib_stages import api_common, openai_api, realtime
+    from omni_contrib_stages.realtime import protocol
+
+    assert openai_api.pcm16 is realtime.pcm16 is api_common.pcm16
+    assert openai_api.usage_of is realtime.usage_of is api_common.usage_of
+    assert openai_api.stage_part is api_common.stage_part and openai_api.wav_bytes is api_common.wav_bytes
+    cfg = load_config("demo")
+    chat, live = adapter_options(cfg.serve.options["openai"], cfg), protocol.realtime_options({}, cfg)
+    for key in api_common.SHARED_OPTIONS:  # realtime defaults the shared keys to the openai API's
+        assert live[key] == chat[key], key
+    chunk = {chat["text_field"]: "hi", chat["audio_field"]: [0.5, -0.5], chat["sample_rate_field"]: 16000}
+    assert api_common.text_of(chunk, chat) == "hi" and api_common.text_of("hi", chat) == "hi"
+    assert api_common.text_of({"other": 1}, chat) is None
+    assert api_common.audio_of(chunk, chat) == b"\x00\x40\x00\xc0" and api_common.audio_of({}, chat) is None
+    assert api_common.rate_of(chunk, chat) == 16000 and api_common.rate_of({}, chat) == chat["sample_rate"]
+    assert api_common.rate_of({chat["sample_rate_field"]: True}, chat) == chat["sample_rate"]
+    assert api_common.text_stage_for({**chat, "text_only_stage": "thinker"}, want_audio=False) == "thinker"

@@ -7,13 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omni_contrib_stages.openai_api import (
-    DEFAULTS,
-    adapter_options,
-    parse_request,
-    pcm16,
-    wav_bytes,
-)
+from omni_contrib_stages.api_common import pcm16, wav_bytes
+from omni_contrib_stages.openai_api import DEFAULTS, adapter_options, parse_request
 
 from omni_core import load_config
 
