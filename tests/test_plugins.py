@@ -58,6 +58,7 @@ def test_installed_plugin_is_discovered_with_its_distribution_version_and_hooks(
         "launcher": ["acme.launcher"],
         "pipeline": ["acme.demo", "acme.inline"],
         "api": ["acme.api"],
+        "family": ["acme.family"],
     }
     upper = plugins.registry.get("stage", "acme.upper")
     assert upper.plugin == "good"
