@@ -202,6 +202,18 @@ def test_verbose_json_with_segments_language_and_prompt(asr_client):
         exclude_unset=True)
 
 
+def test_sixteen_concurrent_uploads_each_get_their_own_transcript(asr_client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [audio_file("FLAC", clip(0.3 + 0.1 * i) * (0.3 + 0.04 * i)) for i in range(16)]
+
+    def one(data: bytes) -> str:
+        return asr_client.audio.transcriptions.create(model="asr", file=("a.flac", data)).text
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(one, files)) == [expected_text(f) for f in files]
+
+
 def test_a_streamed_transcription_joins_to_the_whole_text(asr_client):
     data = audio_file("WAV")
     whole = asr_client.audio.transcriptions.create(model="asr", file=("a.wav", data)).text
