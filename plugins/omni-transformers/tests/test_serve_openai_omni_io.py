@@ -36,15 +36,17 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def server(tiny_model, tmp_path_factory, files):
     """The shipped qwen2_5_omni config, its adapter's inputs capping the talker at 48 codes (the
-    tiny talker may otherwise speak for hundreds)."""
+    tiny talker may otherwise speak for hundreds); network requests may name the files of ``files``
+    (serve.allow_local_files), so the core route can give the pipeline the same media as paths."""
     from importlib.resources import files as package_files
 
     import yaml
 
     config = yaml.safe_load((package_files("omni_transformers") / "pipelines/qwen2_5_omni.yaml").read_text())
     config["serve"]["options"]["openai"]["inputs"]["talker_max_new_tokens"] = TALKER_CODES
+    config["serve"]["allow_local_files"] = str(files)
     path = tmp_path_factory.mktemp("config") / "qwen2_5_omni.yaml"
     path.write_text(yaml.safe_dump(config))
     cwd = tmp_path_factory.mktemp("serve")

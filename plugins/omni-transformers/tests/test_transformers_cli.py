@@ -19,7 +19,7 @@ def test_omni_run_stream_prints_text_then_audio_and_writes_a_wav(tiny_model, tmp
     omni = shutil.which("omni")
     assert omni, "the omni console script is not installed"
     env = {**os.environ, "OMNI_TRANSFORMERS_MODEL": str(tiny_model)}
-    inputs = {"text": "hello", "max_new_tokens": 6, "talker_max_new_tokens": 24}
+    inputs = {"text": "hello", "max_new_tokens": 6, "talker_max_new_tokens": 24, "wav_path": "qwen2_5_omni.wav"}
     out = subprocess.run([omni, "run", "qwen2_5_omni", "--input", json.dumps(inputs), "--stream"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stderr
