@@ -9,7 +9,7 @@ import re
 
 import pytest
 import zmq
-from runtime_helpers import arun, fn, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, fn, no_leaks, pipeline, running_in, stage, until, until_state  # noqa: F401
 
 from omni_core import Pipeline, StageError, StartupError
 from omni_core.errors import ConfigError, Overloaded, RequestAborted, RequestTimeout
@@ -123,7 +123,7 @@ def test_abort_cancels_the_request_everywhere_and_the_id_can_be_reused():
     async def body():
         async with Pipeline(cfg) as p:
             task = asyncio.ensure_future(p.submit({"sleep": 30}, request_id="r1"))
-            await asyncio.sleep(0.2)
+            await until_state(p, running_in("s"), "the request to reach stage s")
             assert await p.abort("r1") is True
             with pytest.raises(RequestAborted):
                 await task
@@ -157,7 +157,7 @@ def test_a_request_id_in_flight_cannot_be_used_twice():
     async def body():
         async with Pipeline(cfg) as p:
             task = asyncio.ensure_future(p.submit({"sleep": 0.2}, request_id="same"))
-            await asyncio.sleep(0.02)
+            await until(lambda: "same" in p.by_id, "the first request to be admitted")
             with pytest.raises(ValueError, match="already in flight"):
                 await p.submit({"sleep": 0}, request_id="same")
             await task
