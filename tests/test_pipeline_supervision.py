@@ -14,7 +14,17 @@ import time
 
 import pytest
 import torch
-from runtime_helpers import arun, descendants, no_leaks, pipeline, runtime_dirs, stage, until  # noqa: F401
+from runtime_helpers import (  # noqa: F401
+    arun,
+    descendants,
+    no_leaks,
+    pipeline,
+    running_in,
+    runtime_dirs,
+    stage,
+    until,
+    until_state,
+)
 
 from omni_core import Pipeline, ProcessDied
 from omni_core.errors import PipelineClosed, RequestAborted
@@ -74,14 +84,14 @@ PARENT = textwrap.dedent("""
     import torch
     sys.path.insert(0, {tests!r})
     from omni_core import Pipeline
-    from runtime_helpers import pipeline, stage
+    from runtime_helpers import pipeline, stage, until_state
 
     async def main():
         cfg = pipeline(stage("a", "Echo", next="s"), stage("s", "Sleep", terminal=True), name="orphans", relay="shm")
         async with Pipeline(cfg) as p:
             for _ in range(3):  # mid-transfer: tensors through shm are held by the sleeping stage
                 asyncio.ensure_future(p.submit({{"sleep": 60, "t": torch.ones(1 << 18)}}))
-            await asyncio.sleep(0.5)
+            await until_state(p, lambda s: s["s"]["stage.s.running"] == 3, "the 3 requests to reach stage s")
             print(json.dumps({{"pids": list(p.pids().values()), "dir": p.runtime_dir, "run": p.run_id}}), flush=True)
             await asyncio.sleep(120)
 
@@ -127,7 +137,7 @@ def test_stop_escalates_when_a_stage_ignores_shutdown():
         p = Pipeline(cfg)
         await p.start()
         task = asyncio.ensure_future(p.submit({"busy": 30}))
-        await asyncio.sleep(0.2)
+        await until_state(p, running_in("b"), "the request to reach stage b")
         start = time.monotonic()
         await p.stop()
         with pytest.raises(RequestAborted):
