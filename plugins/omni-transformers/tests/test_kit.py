@@ -163,3 +163,23 @@ def test_the_private_attributes_of_instances_the_plugin_uses_are_there(tiny_mode
     cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
     layer = cache.layers[0]
     assert layer.keys.shape == (1, 2, 1, 4) and layer.values.shape == (1, 2, 1, 4), "DynamicCache layers moved"
+
+
+def test_a_requests_sampling_is_checked_and_laid_over_the_stages():
+    from omni_core import InvalidInput
+
+    from omni_transformers.kit.sampling import request_sampling, sampling_for
+
+    stage = {"do_sample": False, "temperature": 0.7, "top_k": 50, "top_p": 0.8}
+    assert sampling_for(request_sampling({"text": "hi"}), **stage) == stage
+    assert sampling_for(request_sampling({"temperature": 0}), **stage) == {
+        "do_sample": False, "temperature": None, "top_k": 50, "top_p": 0.8}
+    assert sampling_for(request_sampling({"temperature": 2}), **stage) == {
+        "do_sample": True, "temperature": 2.0, "top_k": 50, "top_p": 0.8}
+    assert sampling_for(request_sampling({"top_p": 0.5, "top_k": 3}), **stage) == {
+        "do_sample": True, "temperature": 0.7, "top_k": 3, "top_p": 0.5}
+    for bad in ({"temperature": -1}, {"temperature": "hot"}, {"temperature": True}, {"top_p": 0},
+                {"top_p": 1.5}, {"top_k": -1}, {"top_k": 2.5}, {"temperature": float("nan")}):
+        with pytest.raises(InvalidInput) as caught:
+            request_sampling(bad)
+        assert caught.value.field == next(iter(bad))

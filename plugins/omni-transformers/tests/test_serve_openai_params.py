@@ -1,6 +1,5 @@
 """``omni serve qwen2_5_omni`` on the tiny checkpoint: the OpenAI parameters it honours (``seed``,
-``n``, ``max_tokens``) and refuses (the thinker's temperature, top_p and top_k are stage arguments,
-not per-request inputs), through the official ``openai`` SDK with its default retries, counting
+``temperature``, ``top_p``, ``top_k``, ``n``, ``max_tokens``) and refuses, through the official ``openai`` SDK with its default retries, counting
 POSTs; ``models.retrieve``; streamed text equal to the non-streamed text; a media error naming the
 client's own message index; ``realtime`` mounted by the config.
 
@@ -81,10 +80,33 @@ def test_n_choices_run_with_seed_plus_their_index(client):
     assert choices == spoken(client, seed=11) + spoken(client, seed=12)
 
 
+def written(client, **kwargs) -> str:
+    return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, **kwargs).choices[0].message.content
+
+
+def test_the_thinker_samples_per_request_at_the_temperature_it_is_given(client, posts):
+    greedy = written(client, seed=3)
+    assert written(client, seed=3, temperature=0) == greedy  # temperature 0: greedy, whatever the seed
+    hot = written(client, seed=3, temperature=2)
+    assert hot == written(client, seed=3, temperature=2)  # reproducible per seed
+    assert len({hot, written(client, seed=4, temperature=2), written(client, seed=5, temperature=2)}) > 1
+    assert written(client, seed=3, top_p=0.5, extra_body={"top_k": 1}) == greedy  # top_k 1 keeps the argmax only
+    assert posts == ["/v1/chat/completions"] * 7
+
+
 @pytest.mark.parametrize(("param", "kwargs"), [
-    ("temperature", {"temperature": 0.7}),
-    ("top_p", {"top_p": 0.9}),
-    ("top_k", {"extra_body": {"top_k": 20}}),
+    ("temperature", {"temperature": 3}),
+    ("top_p", {"top_p": 0}),
+    ("top_k", {"extra_body": {"top_k": -1}}),
+])
+def test_bad_sampling_values_are_refused_with_one_post(client, posts, param, kwargs):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, **kwargs)
+    assert caught.value.body["param"] == param
+    assert posts == ["/v1/chat/completions"]
+
+
+@pytest.mark.parametrize(("param", "kwargs"), [
     ("stop", {"stop": ".", "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"}}),
     ("frequency_penalty", {"frequency_penalty": 1}),
     ("logprobs", {"logprobs": True}),

@@ -7,10 +7,13 @@ processors live in objects made per request, so one loaded model serves many req
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from omni_core import InvalidInput
 
 MODEL_ENV = "OMNI_TRANSFORMERS_MODEL"
 
@@ -47,6 +50,45 @@ def torch_dtype(dtype: str | None, default: torch.dtype | None = None) -> torch.
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(seed))
+
+
+#: The sampling settings a request may give (each overrides the stage's own for that request).
+REQUEST_SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def request_sampling(payload: dict) -> dict[str, Any]:
+    """The sampling settings ``payload`` gives, checked (``InvalidInput`` naming the key): a
+    ``temperature`` of 0 means greedy, above 0 sampling at that temperature; ``top_p`` in (0, 1] and
+    ``top_k`` ≥ 0 (0: off) sample too, at the stage's temperature unless the request gives one.
+    Absent or null keys are left out."""
+    out: dict[str, Any] = {}
+    for key in REQUEST_SAMPLING:
+        value = payload.get(key)
+        if value is None:
+            continue
+        if key == "top_k":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInput(f"top_k must be an integer of at least 0 (0: off), got {value!r}", field=key)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidInput(f"{key} must be a number, got {value!r}", field=key)
+        elif key == "temperature" and not 0 <= value <= 2:
+            raise InvalidInput(f"temperature must be between 0 and 2 (0: greedy), got {value!r}", field=key)
+        elif key == "top_p" and not 0 < value <= 1:
+            raise InvalidInput(f"top_p must be above 0 and at most 1, got {value!r}", field=key)
+        out[key] = value if key == "top_k" else float(value)
+    return out
+
+
+def sampling_for(request: dict[str, Any], *, do_sample: bool, temperature: float | None, top_k: int | None,
+                 top_p: float | None) -> dict[str, Any]:
+    """The stage's settings (``do_sample`` …) with a request's checked ones (:func:`request_sampling`)
+    over them: the keyword arguments of :class:`Sampler` for that request."""
+    if not request:
+        return {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    temperature = request.get("temperature", temperature)
+    return {"do_sample": temperature != 0 if "temperature" in request else True,
+            "temperature": temperature if temperature != 0 else None,
+            "top_k": request.get("top_k", top_k), "top_p": request.get("top_p", top_p)}
 
 
 class Sampler:

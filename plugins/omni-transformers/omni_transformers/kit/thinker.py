@@ -28,7 +28,15 @@ from omni_core.errors import InvalidInput
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import TextChunk, ThinkerEnd, ThinkerHead, ThinkerStep
 from .engines import EngineRegistry
-from .sampling import Sampler, TextDecoder, make_generator, resolve_model_path, torch_dtype
+from .sampling import (
+    Sampler,
+    TextDecoder,
+    make_generator,
+    request_sampling,
+    resolve_model_path,
+    sampling_for,
+    torch_dtype,
+)
 from .streams import request_seed
 
 
@@ -234,7 +242,9 @@ class Thinker:
     streaming per step the token, its text and (``speech``) what the talker needs.
 
     Greedy by default (the checkpoint's generation config decides, as in ``generate``);
-    ``do_sample`` with ``temperature``/``top_k``/``top_p`` samples from a per-request generator.
+    ``do_sample`` with ``temperature``/``top_k``/``top_p`` samples from a per-request generator; a
+    request's own ``temperature`` / ``top_p`` / ``top_k`` override them for it (a temperature of 0:
+    greedy; see :func:`~.sampling.request_sampling`).
     ``speech: false`` makes a text-only thinker: it streams :class:`~.chunks.TextChunk` chunks for
     the caller and is meant to be terminal. Batching: ``max_batch_size`` rows decode together;
     ``kv_cache_tokens`` bounds the KV tokens their reservations (prompt + ``max_new_tokens``) hold
@@ -307,8 +317,9 @@ class Thinker:
 
     def new_row(self, pre: PrefillInputs, payload: dict, max_new: int) -> ThinkerRow:
         seed = request_seed(payload)
-        sampler = Sampler(do_sample=self.do_sample, temperature=self.temperature, top_k=self.top_k,
-                          top_p=self.top_p, repetition_penalty=self.repetition_penalty,
+        settings = sampling_for(request_sampling(payload), do_sample=self.do_sample, temperature=self.temperature,
+                                top_k=self.top_k, top_p=self.top_p)
+        sampler = Sampler(**settings, repetition_penalty=self.repetition_penalty,
                           generator=make_generator(seed, self.device), device=self.device)
         return ThinkerRow(pre, sampler, max_new, self.eos, self.speech, seed)
 

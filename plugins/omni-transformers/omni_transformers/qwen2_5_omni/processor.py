@@ -11,7 +11,7 @@ from omni_core.errors import InvalidInput
 from omni_core.files import local_path
 
 from ..kit.media import MediaError, load_audio, load_image
-from ..kit.sampling import resolve_model_path
+from ..kit.sampling import request_sampling, resolve_model_path
 from .common import DEFAULT_SPEAKER, DEFAULT_SYSTEM_PROMPT, request_seed
 
 # The special tokens Qwen2_5OmniProcessor reads off the tokenizer, with the real checkpoint's strings
@@ -73,8 +73,9 @@ class Processor:
     tensor}``), or the shorthand ``text`` with optional ``audio`` (+ ``sample_rate``) and ``image``
     (one user turn: audio, image, then text), or ``input_ids`` (used as given). Messages without a
     system message get the system prompt Qwen2.5-Omni needs for speech. Optional: ``max_new_tokens``,
-    ``speaker``, ``seed``, ``system_prompt``, ``talker_max_new_tokens``, ``talker_do_sample``,
-    ``wav_path``.
+    ``speaker``, ``seed``, ``temperature`` / ``top_p`` / ``top_k`` (the thinker's sampling for this
+    request; a temperature of 0 is greedy), ``system_prompt``, ``talker_max_new_tokens``,
+    ``talker_do_sample``, ``wav_path``.
 
     The output has ``input_ids`` and the request's options; with audio, ``audio_features`` (one
     [mel bins, frames] tensor per audio) and ``audio_seqlens`` (their frame counts); with images,
@@ -253,6 +254,7 @@ class Processor:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise InvalidInput(f"{key} must be a positive integer, got {value!r}", field=key)
                 out[key] = value
+        out.update(request_sampling(payload))  # the thinker's sampling for this request, checked here first
         if payload.get("talker_do_sample") is not None:
             out["talker_do_sample"] = bool(payload["talker_do_sample"])
         if payload.get("wav_path") is not None:  # a file the request asks token2wav to write
