@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 
@@ -50,14 +50,17 @@ def test_only_the_leaders_chunks_reach_the_caller():
     assert [e.data for e in events[:-1]] == [{"rank_sum": 6.0}]
 
 
-def test_follower_death_fails_requests_with_process_died():
+def test_follower_death_fails_requests_with_process_died(tmp_path):
     cfg = pipeline(stage("tp", "AllReduce", tp_size=2, terminal=True))
+    marker = tmp_path / "reached"
 
     async def body():
         async with Pipeline(cfg) as p:
             await p.submit({"x": torch.ones(1)})
-            task = asyncio.ensure_future(p.submit({"x": torch.ones(1), "leader_sleep": 30}))
-            await asyncio.sleep(0.5)  # the follower now waits in all_reduce for the leader
+            task = asyncio.ensure_future(p.submit({"x": torch.ones(1), "leader_sleep": 30, "marker": str(marker)}))
+            # the follower now waits in all_reduce for the leader (its loop is blocked there: a
+            # file it writes first says so, not its state report)
+            await until(lambda: os.path.exists(f"{marker}.1"), "the follower to reach all_reduce")
             os.kill(p.pids()["tp.1"], signal.SIGKILL)
             with pytest.raises(ProcessDied) as info:
                 await asyncio.wait_for(task, 60)
