@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 
@@ -15,6 +16,9 @@ class Scale:
     async def __call__(self, payload, ctx):
         if payload.get("sleep"):
             await asyncio.sleep(payload["sleep"])
+        if payload.get("marker"):  # tells the test this stage ran the request
+            with open(f"{payload['marker']}.{ctx.request_id}", "w"):
+                pass
         return {**payload, "x": payload["x"] * self.factor}
 
 
@@ -24,15 +28,21 @@ class Total:
 
 
 class Hold:
-    """Like Scale, but first blocks its process's event loop for ``hold`` seconds when asked (the
-    process then reads its next messages late, in whatever order they queued)."""
+    """Like Scale, but first blocks its process's event loop when asked (the process then reads its
+    next messages late, in whatever order they queued): with ``release`` (a path), from writing
+    ``<release>.held`` until the test creates ``release`` (60 s at most)."""
 
     def __init__(self, factor: float = 3.0):
         self.factor = factor
 
     async def __call__(self, payload, ctx):
-        if payload.get("hold"):
-            time.sleep(payload["hold"])
+        if payload.get("release"):
+            release = payload["release"]
+            with open(f"{release}.held", "w"):
+                pass
+            deadline = time.monotonic() + 60
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.01)  # blocking on purpose: the loop must not run
         return {**payload, "x": payload["x"] * self.factor}
 
 

@@ -4,6 +4,7 @@ stage call, and aborts that drop messages whose transfers are already on a link.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -32,6 +33,16 @@ def arun(coro, timeout: float = 150):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+async def until(predicate, what: str, deadline_s: float = 30.0) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(0.01)
+
+
 def tensor(n: int) -> torch.Tensor:
     return torch.arange(1 + (n * 7919) % 300_000, dtype=torch.float32) + n
 
@@ -46,25 +57,30 @@ def test_tensors_cross_a_chain_of_stage_processes_over_nccl_links():
         assert torch.equal(result["x"], tensor(n) * 6)
 
 
-def test_aborted_requests_whose_messages_are_dropped_never_desynchronise_the_links():
+def test_aborted_requests_whose_messages_are_dropped_never_desynchronise_the_links(tmp_path):
     """While "triple" blocks its event loop, transfers of three requests reach its link and the
     requests are aborted: "triple" then drops their data messages without a get. Its link thread
     has taken the transfers off the link anyway and discards them once "double" cleans the
-    requests up; every later transfer still arrives as itself."""
+    requests up; every later transfer still arrives as itself. "triple" holds its loop until the
+    test releases it (after the aborts); "double" marks each victim it ran."""
     cfg = config()
     cfg["stages"][1]["factory"] = f"{STAGES}:Hold"
 
     async def go():
         async with Pipeline(cfg) as p:
             for round_ in range(4):
+                release, ran = tmp_path / f"release{round_}", tmp_path / f"ran{round_}"
                 blocker = asyncio.ensure_future(
-                    p.submit({"n": 100 + round_, "x": tensor(100 + round_), "hold": 0.6}))
-                await asyncio.sleep(0.2)
-                victims = [asyncio.ensure_future(p.submit({"n": n, "x": tensor(n)}, request_id=f"v{round_}.{n}"))
-                           for n in range(3)]
-                await asyncio.sleep(0.15)
-                for n in range(3):
-                    await p.abort(f"v{round_}.{n}")
+                    p.submit({"n": 100 + round_, "x": tensor(100 + round_), "release": str(release)}))
+                await until(lambda r=release: os.path.exists(f"{r}.held"), "triple to block its loop")
+                ids = [f"v{round_}.{n}" for n in range(3)]
+                victims = [asyncio.ensure_future(p.submit({"n": n, "x": tensor(n), "marker": str(ran)}, request_id=i))
+                           for n, i in enumerate(ids)]
+                await until(lambda r=ran, ids=ids: all(os.path.exists(f"{r}.{i}") for i in ids),
+                            "double to run the victims")
+                for i in ids:
+                    await p.abort(i)
+                release.touch()
                 result = await blocker
                 assert torch.equal(result["x"], tensor(100 + round_) * 6)
                 for victim in victims:
