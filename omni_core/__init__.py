@@ -32,9 +32,9 @@ from .plugins import hookimpl
 # The runtime imports torch and zmq; load it only when used, so `omni plugins list`, `omni
 # validate` and plugin modules that only register names stay fast.
 _LAZY = {
-    "DecodeLoop": "omni_core.decode_loop",
+    "DecodeLoop": "omni_core.kits",
     "Event": "omni_core.runtime.requests",
-    "MicroBatcher": "omni_core.batching",
+    "MicroBatcher": "omni_core.kits",
     "PENDING": "omni_core.runtime.context",
     "PayloadError": "omni_core.relay.payload",
     "Pipeline": "omni_core.runtime.pipeline",

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("omni_core.config",),
     ("omni_core.relay", "omni_core.encoding"),
     ("omni_core.plan",),
-    ("omni_core.runtime", "omni_core.batching", "omni_core.decode_loop"),
+    ("omni_core.runtime", "omni_core.kits", "omni_core.batching", "omni_core.decode_loop"),
     ("omni_core.builtin",),
     ("omni_core.testing", "omni_core.plugin_check", "omni_core.scaffold"),
     ("omni_core.serve", "omni_core.cli"),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_core.batching import BatcherClosed, BatchError, MicroBatcher
+from omni_core.kits import BatcherClosed, BatchError, MicroBatcher
 
 pytestmark = pytest.mark.timeout(30)
 

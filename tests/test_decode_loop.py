@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from omni_core import DecodeLoop
-from omni_core.decode_loop import NO_OUTPUT, LoopClosed, SequenceTooLarge, StepError
+from omni_core.kits import NO_OUTPUT, LoopClosed, SequenceTooLarge, StepError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from omni_core.batching import MicroBatcher
+from omni_core.kits import MicroBatcher
 from omni_core.registry import import_ref
 
 _DTYPES = {

@@ -11,7 +11,7 @@ import torch
 from conftest import arun
 from omni_contrib_stages.stages import Collect, Tee, TorchModule, function_stage
 
-from omni_core.batching import BatcherClosed
+from omni_core.kits import BatcherClosed
 
 H = "contrib_test_helpers"
 

@@ -6,7 +6,7 @@ speech-codec decoder) is fastest when one forward call advances all of them by a
 reads its outputs as they come, and *leaves* when it is done or aborted; the loop calls your
 ``step(rows)`` once per iteration with every request that can advance::
 
-    from omni_core.decode_loop import DecodeLoop
+    from omni_core.kits import DecodeLoop
 
     class Generator:
         def __init__(self):
@@ -75,8 +75,8 @@ from typing import Any
 
 import attrs
 
-from .batching import _Calls, _cancel
-from .errors import InvalidInput
+from ..errors import InvalidInput
+from .worker import Worker
 
 StepFn = Callable[[list["Row"]], "Sequence[Any] | Awaitable[Sequence[Any]]"]
 
@@ -261,7 +261,7 @@ class DecodeSequence:
         return value
 
 
-class DecodeLoop:
+class DecodeLoop(Worker):
     """Continuous batching over ``step`` (see the module docstring).
 
     ``max_batch_size``: most live rows (admitted, not yet left). ``memory_budget``: the most
@@ -273,6 +273,10 @@ class DecodeLoop:
     closed: ``asyncio.run`` again).
     """
 
+    kind = "decode loop"
+    closed_error = LoopClosed
+    broken_error = StepError
+
     def __init__(self, step: StepFn, *, max_batch_size: int = 64, memory_budget: int | None = None,
                  max_prefill_tokens: int | None = None, max_pending_outputs: int = 4, name: str | None = None):
         if not callable(step):
@@ -283,21 +287,16 @@ class DecodeLoop:
         for label, limit in (("memory_budget", memory_budget), ("max_prefill_tokens", max_prefill_tokens)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 raise ValueError(f"{label} must be a positive integer or None, got {limit!r}")
+        self.stats = DecodeStats()
+        super().__init__(step, name=name, thread_name="decode", stats=self.stats)
         self.max_batch_size = max_batch_size
         self.memory_budget = memory_budget
         self.max_prefill_tokens = max_prefill_tokens
         self.max_pending_outputs = max_pending_outputs
-        self.name = name or getattr(step, "__qualname__", None) or type(step).__name__
-        self.stats = DecodeStats()
-        self._calls = _Calls(step, f"decode-{self.name}", self.stats)
         self._live: list[Row] = []
         self._waiting: deque[tuple[Row, asyncio.Future]] = deque()
         self._memory = 0
         self._seq = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._worker: asyncio.Task | None = None
-        self._closed = False
 
     @property
     def step(self) -> StepFn:
@@ -330,10 +329,6 @@ class DecodeLoop:
         return DecodeSequence(self, Row(state, prompt_tokens, memory, needs_input, self._seq))
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def live(self) -> int:
         """Rows admitted and not yet gone."""
         return len(self._live)
@@ -348,34 +343,12 @@ class DecodeLoop:
         """The memory of the rows that hold it (live rows, and rows that left while their last step ran)."""
         return self._memory
 
-    async def close(self) -> None:
-        """Stop: waiting and live rows fail with :class:`LoopClosed`; a step already running in
-        the worker thread finishes there. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        worker, self._worker = self._worker, None
-        await _cancel(worker)
-        self._fail_all(LoopClosed(f"decode loop {self.name!r} was closed"))
-        self._calls.shutdown()
-
     # -- admission ------------------------------------------------------------------------------
 
-    def _bind(self) -> asyncio.AbstractEventLoop:
-        """Bind to the running event loop (see the class docstring) and return it."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and loop is not self._loop and self._loop.is_closed():
-            self._loop = None  # its event loop ended (asyncio.run returned): start afresh on this one
-            self._live.clear()
-            self._waiting.clear()
-            self._memory = 0
-        if self._loop is None:
-            self._loop = loop
-            self._wake = wake = asyncio.Event()
-            self._worker = loop.create_task(self._work(wake), name=f"decode-loop:{self.name}")
-        elif loop is not self._loop:
-            raise RuntimeError(f"decode loop {self.name!r} is bound to another running event loop; create one per loop")
-        return loop
+    def _forget(self) -> None:
+        self._live.clear()
+        self._waiting.clear()
+        self._memory = 0
 
     def _fits(self, row: Row) -> bool:
         if len(self._live) >= self.max_batch_size:
@@ -383,8 +356,7 @@ class DecodeLoop:
         return self.memory_budget is None or self._memory + row.memory <= self.memory_budget
 
     async def _admit(self, row: Row) -> None:
-        if self._closed:
-            raise LoopClosed(f"decode loop {self.name!r} is closed")
+        self._check_open()
         loop = self._bind()
         if not self._waiting and self._fits(row):
             self._enter(row)
@@ -437,10 +409,6 @@ class DecodeLoop:
             row.state = None  # only rows that left are released: drop their model state now
             self._admit_waiting()
 
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
     # -- the worker -----------------------------------------------------------------------------
 
     def _ready(self, row: Row) -> bool:
@@ -471,21 +439,11 @@ class DecodeLoop:
             rows.append(row)
         return rows
 
-    async def _work(self, wake: asyncio.Event) -> None:
-        try:
-            while True:
-                rows = self._plan()
-                if not rows:
-                    wake.clear()
-                    await wake.wait()
-                    continue
-                await self._run(rows)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # a bug here must never leave readers waiting forever
-            self._closed = True
-            self._fail_all(StepError(f"decode loop {self.name!r} stopped: {type(exc).__name__}: {exc}"))
-            raise
+    async def _turn(self) -> bool:
+        rows = self._plan()
+        if rows:
+            await self._run(rows)
+        return bool(rows)
 
     async def _call(self, rows: list[Row]) -> list[Any]:
         results = list(await self._calls(rows))

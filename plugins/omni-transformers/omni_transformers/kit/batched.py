@@ -150,7 +150,7 @@ def run_rows(rows, decode, prefill) -> tuple[list, list]:
     end)`` for each prompt chunk, alone (its failure is its row's). Returns ``(results, outs)``:
     ``results[i]`` is ``NO_OUTPUT`` or row i's exception, ``outs`` the ``(i, output)`` of every row
     that has one this step."""
-    from omni_core.decode_loop import NO_OUTPUT
+    from omni_core.kits import NO_OUTPUT
 
     results = [NO_OUTPUT] * len(rows)
     decoding = [i for i, row in enumerate(rows) if row.prefill is None]

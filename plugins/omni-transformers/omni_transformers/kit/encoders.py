@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omni_core.batching import MicroBatcher
+from omni_core.kits import MicroBatcher
 
 
 def tensor_input(value: Any, what: str) -> torch.Tensor:

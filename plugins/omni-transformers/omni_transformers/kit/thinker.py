@@ -22,8 +22,8 @@ from typing import Any
 
 import attrs
 import torch
-from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
 from omni_core.errors import InvalidInput
+from omni_core.kits import NO_OUTPUT, DecodeLoop
 
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import TextChunk, ThinkerEnd, ThinkerHead, ThinkerStep

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import attrs
 import torch
-from omni_core.batching import MicroBatcher
 from omni_core.files import local_path
+from omni_core.kits import MicroBatcher
 
 from ..kit.chunks import ChunkError, CodesChunk, TextChunk, codes_chunk
 from ..kit.sampling import make_generator, resolve_model_path, torch_dtype
