@@ -19,6 +19,16 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+async def until(predicate, what: str, deadline_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(0.001)
+
+
 class Recorder:
     """An async batch function that records every batch and squares the items."""
 
@@ -79,7 +89,7 @@ def test_a_lone_item_waits_max_wait_for_company():
         batcher = MicroBatcher(fn, max_batch_size=8, max_wait=0.2)
         start = time.monotonic()
         first = asyncio.ensure_future(batcher.submit(1))
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.waiting == 1, "the first item waiting")
         second = asyncio.ensure_future(batcher.submit(2))  # joins: the window is still open
         results = await asyncio.gather(first, second)
         elapsed = time.monotonic() - start
@@ -120,9 +130,9 @@ def test_items_arriving_while_a_batch_runs_make_up_the_next_batch():
 
         batcher = MicroBatcher(slow, max_batch_size=8, max_wait=0)
         first = asyncio.ensure_future(batcher.submit("a"))
-        await asyncio.sleep(0.02)
+        await until(lambda: batches == [["a"]], "a's batch running")
         later = [asyncio.ensure_future(batcher.submit(x)) for x in "bcd"]
-        await asyncio.sleep(0.02)
+        await until(lambda: batcher.waiting == 3, "b, c and d waiting")
         assert batches == [["a"]]  # one batch at a time: b, c, d wait for a's batch
         gate.set()
         results = await asyncio.gather(first, *later)
@@ -214,20 +224,33 @@ def test_a_wrong_number_of_results_is_a_clear_error():
 
 
 def test_a_caller_cancelled_before_its_batch_starts_is_left_out():
-    fn = Recorder()
+    batches = []
 
     async def body():
-        batcher = MicroBatcher(fn, max_batch_size=8, max_wait=0.1)
+        gate = asyncio.Event()
+
+        async def gated(items):
+            batches.append(list(items))
+            if len(batches) == 1:
+                await gate.wait()
+            return [x * x for x in items]
+
+        batcher = MicroBatcher(gated, max_batch_size=8, max_wait=0)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await until(lambda: batches == [[1]], "the first batch running")
         keep = asyncio.ensure_future(batcher.submit(2))
         drop = asyncio.ensure_future(batcher.submit(3))
-        await asyncio.sleep(0.01)
+        await until(lambda: batcher.waiting == 2, "both items waiting behind the first batch")
         drop.cancel()
+        await until(lambda: batcher.waiting == 1, "the cancelled item no longer counted")
+        gate.set()
+        assert await first == 1
         assert await keep == 4
         assert drop.cancelled()
         await batcher.close()
 
     run(body())
-    assert fn.batches == [[2]]
+    assert batches == [[1], [2]]
 
 
 def test_a_caller_cancelled_while_its_batch_runs_does_not_disturb_the_others():
@@ -256,15 +279,18 @@ def test_a_caller_cancelled_while_its_batch_runs_does_not_disturb_the_others():
 def test_close_fails_waiting_items_and_refuses_new_ones():
     async def body():
         gate = asyncio.Event()
+        started = asyncio.Event()
 
         async def blocked(items):
+            started.set()
             await gate.wait()
             return items
 
         batcher = MicroBatcher(blocked, max_batch_size=1, max_wait=0)
         running = asyncio.ensure_future(batcher.submit(1))
         queued = asyncio.ensure_future(batcher.submit(2))
-        await asyncio.sleep(0.02)
+        await started.wait()
+        await until(lambda: batcher.waiting == 1, "the second item waiting")
         await batcher.close()
         await batcher.close()  # idempotent
         results = await asyncio.gather(running, queued, return_exceptions=True)
@@ -319,3 +345,50 @@ def test_every_item_is_answered_once_in_batches_of_at_most_max_size(arrivals, ma
     assert run(body()) == [i * i for i in range(len(arrivals))]
     assert sorted(x for batch in fn.batches for x in batch) == list(range(len(arrivals)))
     assert max(len(b) for b in fn.batches) <= max_batch_size
+
+
+def test_a_batcher_serves_again_from_a_new_event_loop_once_its_first_one_is_closed():
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_batch_size=4, max_wait=0)
+    assert run(batcher.submit(3)) == 9
+    assert run(batcher.submit(4)) == 16  # asyncio.run again: a new event loop
+    run(batcher.close())
+    assert fn.batches == [[3], [4]]
+
+
+@pytest.mark.parametrize("kit", ["batcher", "decode loop"])
+def test_a_kit_bound_to_a_running_event_loop_refuses_another(kit):
+    from omni_core.kits import DecodeLoop
+
+    if kit == "batcher":
+        obj = MicroBatcher(Recorder(), max_wait=0, name="enc")
+
+        async def use():
+            return await obj.submit(2)
+    else:
+        obj = DecodeLoop(lambda rows: [0] * len(rows), name="enc")
+
+        async def use():
+            async with obj.join("state") as seq:
+                seq.finish()
+
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(use())  # binds to ``first``, which stays open
+        with pytest.raises(RuntimeError, match=f"{kit} 'enc' is bound to another running event loop"):
+            run(use())
+        first.run_until_complete(obj.close())
+    finally:
+        first.close()
+
+
+def test_the_old_module_paths_are_aliases_of_the_kits():
+    import omni_core
+    import omni_core.batching
+    import omni_core.decode_loop
+    import omni_core.kits
+
+    assert omni_core.batching.MicroBatcher is omni_core.kits.MicroBatcher is omni_core.MicroBatcher
+    assert omni_core.batching.BatcherClosed is BatcherClosed
+    assert omni_core.decode_loop.DecodeLoop is omni_core.kits.DecodeLoop is omni_core.DecodeLoop
+    assert omni_core.decode_loop.NO_OUTPUT is omni_core.kits.NO_OUTPUT

@@ -18,6 +18,16 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+async def until(predicate, what: str, deadline_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"not within {deadline_s:g} s: {what}")
+        await asyncio.sleep(0.001)
+
+
 class Req:
     """A fake request: a prompt of ``prompt`` tokens, then ``n`` outputs ``base, base+1, ...``."""
 
@@ -79,8 +89,7 @@ def test_rows_join_and_leave_between_steps_and_each_gets_its_own_outputs_in_one_
     async def body():
         loop = DecodeLoop(model, max_batch_size=8)
         first = asyncio.ensure_future(consume(loop, Req("a", 6, base=100)))
-        while loop.stats.steps < 2:
-            await asyncio.sleep(0.001)
+        await until(lambda: loop.stats.steps >= 2, "the first row stepped twice")
         rest = [asyncio.ensure_future(consume(loop, Req(n, k, base=b))) for n, k, b in (("b", 3, 200), ("c", 9, 300))]
         results = await asyncio.gather(first, *rest)
         assert loop.live == 0 and loop.memory_in_use == 0
@@ -104,8 +113,7 @@ def test_abort_mid_batch_leaves_the_others_correct_and_gives_memory_back():
         loop = DecodeLoop(model, max_batch_size=8, memory_budget=100, max_pending_outputs=1)
         keep = [asyncio.ensure_future(consume(loop, Req(f"k{i}", 30, base=1000 * i), memory=10)) for i in range(3)]
         doomed = [asyncio.ensure_future(consume(loop, Req(f"x{i}", 10_000), memory=20)) for i in range(2)]
-        while loop.stats.steps < 5:
-            await asyncio.sleep(0.001)
+        await until(lambda: loop.stats.steps >= 5, "five steps")
         assert loop.memory_in_use == 70
         for task in doomed:
             task.cancel()
@@ -151,15 +159,19 @@ def test_admission_waits_for_room_in_batch_size_and_memory_never_overcommits():
 
 def test_admission_is_fifo_a_small_late_row_does_not_overtake():
     model = FakeModel()
+    model.gate = threading.Event()  # big's steps wait here until mid and small queued
     log: list = []
 
     async def body():
         loop = DecodeLoop(model, max_batch_size=4, memory_budget=10)
         big = asyncio.ensure_future(consume(loop, Req("big", 5), memory=8, log=log))
-        await asyncio.sleep(0)
+        await until(lambda: loop.live == 1, "big admitted")
         waiting = asyncio.ensure_future(consume(loop, Req("mid", 3), memory=6, log=log))
-        await asyncio.sleep(0)
+        await until(lambda: loop.waiting == 1, "mid waiting for memory")
         small = asyncio.ensure_future(consume(loop, Req("small", 3), memory=1, log=log))  # would fit now
+        await until(lambda: loop.waiting == 2, "small waiting behind mid")
+        assert loop.live == 1
+        model.gate.set()
         await asyncio.gather(big, waiting, small)
         await loop.close()
 
@@ -226,8 +238,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_decode_at_every
     async def body():
         loop = DecodeLoop(model, max_batch_size=8, max_prefill_tokens=4)
         runners = [asyncio.ensure_future(consume(loop, Req(f"run{i}", 40, base=100 * i))) for i in range(2)]
-        while loop.stats.steps < 3:
-            await asyncio.sleep(0.001)
+        await until(lambda: loop.stats.steps >= 3, "the running rows stepped")
         long = Req("long", 3, prompt=22, base=7)
         got = await consume(loop, long)
         await asyncio.gather(*runners)
@@ -256,8 +267,8 @@ def test_rows_waiting_for_input_skip_steps_without_holding_the_others():
             seq.feed(1000)
             outs.append(await seq.__anext__())
             before = loop.stats.steps
-            while loop.stats.steps < before + 5:  # no input: the others go on without this row
-                await asyncio.sleep(0.001)
+            # no input: the others go on without this row
+            await until(lambda: loop.stats.steps >= before + 5, "five steps without the fed row")
             assert req.made == 1
             seq.feed(2000)
             seq.close_inputs()  # then it steps on without input
@@ -297,10 +308,9 @@ def test_close_fails_live_and_waiting_rows():
     async def body():
         loop = DecodeLoop(model, max_batch_size=1)
         live = asyncio.ensure_future(consume(loop, Req("live", 5)))
-        await asyncio.sleep(0.01)
+        await until(lambda: loop.live == 1, "the first row admitted")
         waiting = asyncio.ensure_future(consume(loop, Req("waiting", 5)))
-        await asyncio.sleep(0.01)
-        assert loop.waiting == 1
+        await until(lambda: loop.waiting == 1, "the second row waiting")
         await loop.close()
         model.gate.set()
         results = await asyncio.gather(live, waiting, return_exceptions=True)
