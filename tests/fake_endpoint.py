@@ -1,11 +1,11 @@
-"""An in-process stand-in for :class:`omni_core.runtime.endpoint.Endpoint`, for tests of the
-runtime's parts (Host, Coordinator, Router, Runner) without sockets or other processes.
+"""An in-process :class:`omni_core.runtime.endpoint.Endpoint`, for tests of the runtime's parts
+(Host, Coordinator, Router, Runner) without sockets or other processes.
 
-It records what its owner sends (``sent``: ``(to, message, frames)`` in order) and lets a test
-play the other processes: :meth:`FakeEndpoint.receive` hands a message to the handler the owner
-registered, a ``wire.Data`` through the same receive path as the real endpoint's (relay get,
-per-request order, decode, the owner's ``DataReceiver``), since that path is the real one: the
-fake subclasses the endpoint and only replaces its sockets.
+Only the transport is swapped (:class:`RecordingTransport`): every Endpoint method runs for real
+(send_data's relay put and envelope, the receive path: relay get, per-request order, decode, the
+owner's ``DataReceiver``). What the owner sends is recorded in ``sent`` (``(to, message,
+frames)`` in order, ``to`` the process name); :meth:`FakeEndpoint.receive` plays the other
+processes, handing a message to the inbox handler the endpoint registered.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -25,49 +25,78 @@ from omni_core.runtime.endpoint import Endpoint
 from omni_core.runtime.types import CALLER_RELAY
 
 
-class FakeEndpoint(Endpoint):
-    """An :class:`Endpoint` whose outbox is a list and whose inbox is :meth:`receive`."""
+class RecordingTransport:
+    """A :class:`omni_core.runtime.channel.Transport` whose outbox is a list (``sent``, by
+    process name: ``names`` maps an address to it) and whose inbox the test plays (``handler``:
+    what the endpoint listens with)."""
 
-    def __init__(self, config: Any, registry: Any, *, process: str = "coordinator", origin: str = ""):
-        super().__init__(config, registry, process=process, origin=origin)
-        self.outbox.close(linger_ms=0)  # no sockets: what is sent is recorded
+    def __init__(self) -> None:
+        self.secret = b""
         self.sent: list[tuple[str, Any, list]] = []
+        self.names: Callable[[], dict[str, str]] = dict
+        self.handler: Callable[[Any, list], None] | None = None
         self.listening = False
         self.closed = False
+        #: Called with ``(to, message)`` after each message is recorded (a test's peers answer).
+        self.on_post: Callable[[str, Any], None] | None = None
 
-    # -- set-up -------------------------------------------------------------------------------
-
-    def open(self, *, run_id: str = "test-run", runtime_dir: str = "/nonexistent",
-             addresses: Mapping[str, str] | None = None, stages: tuple[str, ...] = (), secret: bytes = b"") -> None:
-        super().open(run_id=run_id, runtime_dir=runtime_dir, addresses=addresses or {}, stages=stages, secret=secret)
-
-    def listen(self) -> None:
-        self.listening = True
-
-    # -- out: recorded --------------------------------------------------------------------------
-
-    def post(self, to: str, msg: Any, frames: Any = ()) -> None:
+    def post(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> None:
+        to = self.names().get(address, address)
         self.sent.append((to, msg, list(frames)))
+        if self.on_post is not None:
+            self.on_post(to, msg)
 
-    async def send(self, to: str, msg: Any, frames: Any = ()) -> None:
-        self.post(to, msg, frames)
-
-    def post_all(self, names: Iterable[str], msg: Any) -> None:
-        for name in names:
-            self.post(name, msg)
+    async def send(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> None:
+        self.post(address, msg, frames)
 
     def flush(self) -> None:
         pass
 
-    async def send_data(self, to: str, kind: str, rid: int, request_id: str, stage: str, src: str,
-                        relay: str, skeleton: bytes, tensors: list, trace: str = "", from_network: bool = False) -> None:
-        if tensors:
-            relay, handle, frames = await self.edges.put(relay, rid, tensors, to or "coordinator")
-            self.post(to, wire.Data(kind, rid, request_id, stage, src, skeleton, relay, handle, len(frames),
-                                    self.origin, trace, from_network), frames)
-        else:
-            self.post(to, wire.Data(kind, rid, request_id, stage, src, skeleton, origin=self.origin, trace=trace,
-                                    from_network=from_network))
+    def listen(self, address: str, handler: Callable[[Any, list], None], *, name: str, secret: bytes) -> None:
+        self.handler = handler
+        self.listening = True
+
+    def close_inbox(self) -> None:
+        self.listening = False
+
+    def close(self, linger_ms: int = 2000) -> None:
+        self.listening = False
+        self.closed = True
+
+
+class FakeEndpoint(Endpoint):
+    """An :class:`Endpoint` over a :class:`RecordingTransport`, with a test's hands on it."""
+
+    def __init__(self, config: Any, registry: Any, *, process: str = "coordinator", origin: str = ""):
+        self.recorder = RecordingTransport()
+        super().__init__(config, registry, process=process, origin=origin, transport=self.recorder)
+        self.recorder.names = self._names
+        self._by_address: tuple[dict, dict[str, str]] = ({}, {})
+
+    def _names(self) -> dict[str, str]:
+        addresses, names = self._by_address
+        if addresses is not self.addresses:
+            names = {address: name for name, address in self.addresses.items()}
+            self._by_address = (self.addresses, names)
+        return names
+
+    def open(self, *, run_id: str = "test-run", runtime_dir: str = "/nonexistent",
+             addresses: Mapping[str, str] | None = None, stages: tuple[str, ...] = (), secret: bytes = b"") -> None:
+        """:meth:`Endpoint.open` with a test's defaults."""
+        super().open(run_id=run_id, runtime_dir=runtime_dir, addresses=addresses or {}, stages=stages, secret=secret)
+
+    @property
+    def sent(self) -> list[tuple[str, Any, list]]:
+        """What was sent so far: ``(to, message, frames)`` in order."""
+        return self.recorder.sent
+
+    @property
+    def listening(self) -> bool:
+        return self.recorder.listening
+
+    @property
+    def closed(self) -> bool:
+        return self.recorder.closed
 
     # -- in: played by the test ------------------------------------------------------------------
 
@@ -92,10 +121,6 @@ class FakeEndpoint(Endpoint):
     def of_type(self, kind: type, to: str | None = None) -> list[Any]:
         """The messages of type ``kind`` sent so far (to ``to`` only, when given)."""
         return [m for t, m, _ in self.sent if type(m) is kind and (to is None or t == to)]
-
-    def close(self, linger_ms: int = 0) -> None:
-        self.closed = True
-        super().close(linger_ms=0)
 
 
 class _Frame:

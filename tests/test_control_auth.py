@@ -46,8 +46,8 @@ def test_forged_result_abort_and_shutdown_are_refused_and_the_pipeline_serves_on
                 for sock, msg in forged:
                     sock.send(wire.encode(msg))  # no MAC
                     sock.send(wire.seal(b"a guessed secret", wire.encode(msg)))  # a wrong one
-                inbox = p.coordinator.endpoint._inbox
-                await until(lambda: inbox.refused >= 2, "the forged results refused")
+                transport = p.coordinator.endpoint.transport
+                await until(lambda: transport.refused >= 2, "the forged results refused")
                 assert await asyncio.wait_for(task, 30) == {"sleep": 1.0, "x": "real"}
                 assert p.running and p.pids() == pids, "a forged Shutdown stopped a process"
                 assert await p.submit({"sleep": 0, "x": 2}) == {"sleep": 0, "x": 2}

@@ -142,9 +142,9 @@ class PlayedEndpoint(FakeEndpoint):
     def __init__(self, config, registry, handles: dict):
         super().__init__(config, registry)
         self.handles = handles  # process name → its current handle (the runner's)
+        self.recorder.on_post = self._posted
 
-    def post(self, to: str, msg, frames=()) -> None:
-        super().post(to, msg, frames)
+    def _posted(self, to: str, msg) -> None:
         if isinstance(msg, (wire.Shutdown, wire.StateQuery)):
             asyncio.get_running_loop().call_soon(self._answer, to, msg)
 

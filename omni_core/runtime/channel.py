@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import zmq
@@ -352,6 +352,63 @@ class Outbox:
         for sock in self._socks.values():
             sock.close(linger=linger_ms)
         self._socks.clear()
+
+
+class Transport(Protocol):
+    """What an :class:`~.endpoint.Endpoint` sends and receives through, by address: the
+    process's outbox (``post``/``send``/``flush``, messages sealed with the run's ``secret``)
+    and its inbox (``listen``: every message that arrives goes to ``handler(message, frames)``,
+    each frame with a ``.buffer``). :class:`ZmqTransport` is the one processes use; a test can
+    hand an endpoint another (tests/fake_endpoint.py records what is sent and plays the inbox)."""
+
+    secret: bytes
+
+    def post(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> asyncio.Future | None: ...
+
+    async def send(self, address: str, msg: Any, frames: Sequence[Any] = ()) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def listen(self, address: str, handler: Handler, *, name: str, secret: bytes) -> None: ...
+
+    def close_inbox(self) -> None: ...
+
+    def close(self, linger_ms: int = 2000) -> None: ...
+
+
+class ZmqTransport(Outbox):
+    """The zmq :class:`Transport`: its own context, the :class:`Outbox` (it is one, so a post
+    costs no extra call) and, once listening, the process's :class:`Inbox`."""
+
+    def __init__(self) -> None:
+        self._zctx: zmq.Context | None = _new_context()
+        super().__init__(self._zctx)
+        self._inbox: Inbox | None = None
+
+    def listen(self, address: str, handler: Handler, *, name: str, secret: bytes) -> None:
+        """Bind the inbox at ``address`` and start reading it (in the running event loop)."""
+        assert self._zctx is not None, "closed"
+        self._inbox = Inbox(self._zctx, address, handler, name=name, outbox=self, secret=secret)
+        self._inbox.start()
+
+    @property
+    def refused(self) -> int:
+        """How many messages the inbox refused for lacking the run's MAC."""
+        return self._inbox.refused if self._inbox is not None else 0
+
+    def close_inbox(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
+
+    def close(self, linger_ms: int = 2000) -> None:
+        """Close the inbox and the outbox (waiting up to ``linger_ms`` for what it still holds
+        to leave), then the context."""
+        self.close_inbox()
+        super().close(linger_ms=linger_ms)
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
 
 
 # -- tcp endpoints ---------------------------------------------------------------------------------

@@ -188,8 +188,9 @@ class Coordinator:
         entry = self._entry
         leaders = self._uses[entry][replica_index(req.rid, len(self._uses[entry]))]
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
-        await self.endpoint.send_data(leaders[0], "work", req.rid, req.request_id, entry, "", CALLER_RELAY,
-                                      skeleton, tensors, tracing.traceparent(), from_network)
+        await self.endpoint.send_data(leaders[0], wire.Data("work", req.rid, req.request_id, entry, "", skeleton,
+                                                            trace=tracing.traceparent(), from_network=from_network),
+                                      tensors, CALLER_RELAY)
 
     # -- the caller's API ------------------------------------------------------------------------
 

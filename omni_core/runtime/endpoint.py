@@ -3,9 +3,11 @@
 Every process of a running pipeline has one endpoint, the caller's process (the coordinator's)
 included. It owns what every process needs to talk to the others, written once:
 
-- the sockets: the process's inbox and its outbox (:mod:`.channel`), peers named by process
-  name (``""``: the coordinator);
-- the edges (:class:`~.edges.Edges`): relay instances, tensors out (``send_data``) and in;
+- the transport: the process's inbox and its outbox (:class:`.channel.Transport`; zmq sockets
+  unless another is handed in, as in-process tests do), peers named by process name (``""``:
+  the coordinator);
+- the edges (:class:`~.edges.Edges`): relay instances, tensors out (``send_data``: the
+  ``wire.Data`` message is the envelope) and in;
 - the receive path of data messages: relay ``get`` → per-request order (:mod:`.ordered`) →
   small chunks copied out of relay memory → ``unpack``, then the owner's
   :class:`DataReceiver`;
@@ -24,14 +26,12 @@ import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-import zmq
-
 from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
 from ..relay.payload import unpack
 from . import wire
-from .channel import Inbox, Outbox
+from .channel import Transport, ZmqTransport
 from .edges import Edges
 from .ordered import OrderedDelivery
 from .types import Inbound
@@ -63,12 +63,14 @@ class Endpoint:
     """The sockets, edges and receive path of one process (see the module docstring).
 
     ``process`` names the process in relay contexts and metrics (``"coordinator"`` for the
-    caller's); ``origin`` is its name on the wire (``""`` for the coordinator)."""
+    caller's); ``origin`` is its name on the wire (``""`` for the coordinator); ``transport``:
+    what messages travel through (a :class:`~.channel.ZmqTransport` of its own by default)."""
 
     #: The relay instances and tensors of this process's edges (made by :meth:`open`).
     edges: Edges
 
-    def __init__(self, config: PipelineConfig, registry: Registry, *, process: str, origin: str):
+    def __init__(self, config: PipelineConfig, registry: Registry, *, process: str, origin: str,
+                 transport: Transport | None = None):
         self.config = config
         self.registry = registry
         self.process = process
@@ -77,9 +79,8 @@ class Endpoint:
         self.allow_pickle = config.allow_pickle
         self.ordered = OrderedDelivery()
         self.addresses: dict[str, str] = {}
-        self._zctx: zmq.Context | None = zmq.Context(io_threads=1)
-        self.outbox = Outbox(self._zctx)
-        self._inbox: Inbox | None = None
+        self.transport: Transport = ZmqTransport() if transport is None else transport
+        self._listening = False
         self._opened = False
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._receiver: DataReceiver | None = None
@@ -103,49 +104,49 @@ class Endpoint:
         which every message sent carries a MAC of and every message received must
         (:mod:`.wire`; b"": none, for in-process tests)."""
         self.addresses = dict(addresses)
-        self.secret = self.outbox.secret = secret
+        self.secret = self.transport.secret = secret
         self._opened = True
         self.edges = Edges(config=self.config, registry=self.registry, run_id=run_id, process=self.process,
                            runtime_dir=runtime_dir, stages=stages)
 
     def listen(self) -> None:
         """Bind this process's inbox and start reading it (in the running event loop)."""
-        assert self._zctx is not None and self._opened, "open() first"
-        self._inbox = Inbox(self._zctx, self.addresses[self.origin], self._dispatch, name=self.process or "coordinator",
-                            outbox=self.outbox, secret=self.secret)
-        self._inbox.start()
+        assert self._opened, "open() first"
+        self.transport.listen(self.addresses[self.origin], self._dispatch, name=self.process or "coordinator",
+                              secret=self.secret)
+        self._listening = True
 
     # -- out ----------------------------------------------------------------------------------------
 
     def post(self, to: str, msg: Any, frames: Any = ()) -> Any:
         """Send ``msg`` to process ``to`` without waiting (see :meth:`.Outbox.post`)."""
-        return self.outbox.post(self.addresses[to], msg, frames)
+        return self.transport.post(self.addresses[to], msg, frames)
 
     async def send(self, to: str, msg: Any, frames: Any = ()) -> None:
         """Send ``msg`` to process ``to``, waiting while its queue is full."""
-        await self.outbox.send(self.addresses[to], msg, frames)
+        await self.transport.send(self.addresses[to], msg, frames)
 
     def post_all(self, names: Iterable[str], msg: Any) -> None:
         for name in names:
-            self.outbox.post(self.addresses[name], msg)
+            self.transport.post(self.addresses[name], msg)
 
     def flush(self) -> None:
         """What waits for the end of the loop turn or of an inbox drain leaves now."""
-        self.outbox.flush()
+        self.transport.flush()
 
-    async def send_data(self, to: str, kind: str, rid: int, request_id: str, stage: str, src: str,
-                        relay: str, skeleton: bytes, tensors: list, trace: str = "", from_network: bool = False) -> None:
-        """Send a packed payload to process ``to`` (for ``stage``): its tensors through the edge's
-        ``relay``, the message after them, waiting while the peer's queue is full."""
+    async def send_data(self, to: str, msg: wire.Data, tensors: list, relay: str) -> None:
+        """Send a packed payload to process ``to``: ``msg`` is its envelope (kind, request,
+        stage, sender, skeleton, trace; the endpoint fills in ``origin`` and, with ``tensors``,
+        where they are), the tensors go through the edge's ``relay`` before it; waits while
+        the peer's queue is full."""
         address = self.addresses[to]
-        outbox = self.outbox
+        msg.origin = self.origin
         if tensors:
-            relay, handle, frames = await self.edges.put(relay, rid, tensors, to or "coordinator")
-            await outbox.send(address, wire.Data(kind, rid, request_id, stage, src, skeleton, relay, handle,
-                                                 len(frames), self.origin, trace, from_network), frames)
+            msg.relay, msg.handle, frames = await self.edges.put(relay, msg.rid, tensors, to or "coordinator")
+            msg.nframes = len(frames)
+            await self.transport.send(address, msg, frames)
         else:
-            fut = outbox.post(address, wire.Data(kind, rid, request_id, stage, src, skeleton,
-                                                 origin=self.origin, trace=trace, from_network=from_network))
+            fut = self.transport.post(address, msg)
             if fut is not None:
                 await fut
 
@@ -241,17 +242,14 @@ class Endpoint:
     def close_inbox(self) -> None:
         """Stop receiving (what is on its way in is dropped)."""
         self.ordered.close()
-        if self._inbox is not None:
-            self._inbox.close()
-            self._inbox = None
+        if self._listening:
+            self.transport.close_inbox()
+            self._listening = False
 
     def close(self, linger_ms: int = 1000) -> None:
-        """Close the inbox, the edges' relays, the outbox (waiting up to ``linger_ms`` for what it
-        still holds to leave) and the sockets' context."""
+        """Close the inbox, the edges' relays and the transport (waiting up to ``linger_ms`` for
+        what its outbox still holds to leave)."""
         self.close_inbox()
         if self._opened:
             self.edges.close()
-        self.outbox.close(linger_ms=linger_ms)
-        if self._zctx is not None:
-            self._zctx.term()
-            self._zctx = None
+        self.transport.close(linger_ms=linger_ms)

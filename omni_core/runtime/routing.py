@@ -81,8 +81,9 @@ class Router:
             skeleton, tensors = entry
             procs = self._processes_of[target]
             to = procs[replica_index(rid, len(procs))] if len(procs) > 1 else procs[0]
-            await self.endpoint.send_data(to, kind, rid, request_id, target, name, relay, skeleton, tensors,
-                                          self.traces.get(rid, "") if self.traces else "", rid in self.networked)
+            await self.endpoint.send_data(to, wire.Data(kind, rid, request_id, target, name, skeleton,
+                                                        trace=self.traces.get(rid, "") if self.traces else "",
+                                                        from_network=rid in self.networked), tensors, relay)
         if not local:
             return
         stages = self.stages
@@ -107,8 +108,9 @@ class Router:
             # A plain stage: the result goes to the caller (terminal) and to every next stage.
             if cfg.terminal:
                 skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-                await self.endpoint.send_data(COORDINATOR, "result", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
-                                              skeleton, tensors, self.traces.get(rid, "") if self.traces else "")
+                await self.endpoint.send_data(COORDINATOR, wire.Data("result", rid, request_id, cfg.name, cfg.name, skeleton,
+                                                                     trace=self.traces.get(rid, "") if self.traces else ""),
+                                              tensors, CALLER_RELAY)
             if cfg.next:
                 await self._deliver("work", stage, rid, request_id, cfg.next, None, result)
             self.windows.drop(rid, cfg.name)
@@ -125,8 +127,8 @@ class Router:
         endpoint = self.endpoint
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
-            await endpoint.send_data(COORDINATOR, "result", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
-                                     skeleton, tensors, self._trace(rid))
+            await endpoint.send_data(COORDINATOR, wire.Data("result", rid, request_id, cfg.name, cfg.name, skeleton,
+                                                            trace=self._trace(rid)), tensors, CALLER_RELAY)
         if fns.route is not None:
             dropped = [t for t in cfg.next if t not in targets]
             if dropped:
@@ -168,8 +170,8 @@ class Router:
             await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
         if to_caller and await self._credit(rid, cfg.name, CALLER):
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
-            await self.endpoint.send_data(COORDINATOR, "event", rid, request_id, cfg.name, cfg.name, CALLER_RELAY,
-                                          skeleton, tensors, self._trace(rid))
+            await self.endpoint.send_data(COORDINATOR, wire.Data("event", rid, request_id, cfg.name, cfg.name, skeleton,
+                                                                 trace=self._trace(rid)), tensors, CALLER_RELAY)
 
     async def _credit(self, rid: int, src: str, dst: str) -> bool:
         window = self.windows.get(rid, src, dst)
