@@ -1,4 +1,4 @@
-"""The continuous-batching example of docs/stages.md runs as written: concurrent requests share
+"""The continuous-batching example of docs/kits.md runs as written: concurrent requests share
 steps, each gets its own tokens (as alone: per-request RNG), a long prompt is chunked."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "stages.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "kits.md"
 
 
 def example() -> dict:
