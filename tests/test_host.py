@@ -175,7 +175,7 @@ async def test_a_fan_in_stage_runs_once_every_source_arrived_on_the_merged_paylo
     async with hosted(tmp_path, *FAN_IN, process="join") as rig:
         rig.work(1, "join", {"text": "Y"}, src="y", origin="y")
         rig.work(2, "join", {"text": "y2"}, src="y", origin="y")
-        await turns()
+        await until(lambda: rig.state() == {"stage.join.fan_in": 2}, "both parts held for the fan-in")
         assert rig.ep.sent == [] and rig.state() == {"stage.join.fan_in": 2}
         rig.work(1, "join", {"text": "X"}, src="x", origin="x")
         (msg,) = await rig.sent(wire.Data, to="")
