@@ -71,7 +71,7 @@ class Rig:
 
     def assert_empty(self) -> None:
         assert self.co.state() == {"requests": 0, "by_id": 0, "ordered": 0}
-        assert self.co._deadlines == {}
+        assert self.co.pending_deadlines == 0
 
     def close(self) -> None:
         self.ep.close()
@@ -624,7 +624,7 @@ async def test_requests_time_out_in_admission_order(rigs):
     assert done_order == ["r1", "r3", "r4"]
     aborted = list(dict.fromkeys(m.rid for m in rig.ep.of_type(wire.Abort)))
     assert aborted == [1, 3, 4]
-    assert rig.co._timer is None
+    assert not rig.co.timer_armed
     rig.assert_empty()
 
 
@@ -673,7 +673,7 @@ async def test_abort_all_fails_every_request_in_flight_with_the_reason(rigs):
     for task in tasks:
         with pytest.raises(RequestAborted, match=r"the pipeline stopped \(process 'a' died\)"):
             await task
-    assert rig.co._timer is None
+    assert not rig.co.timer_armed
     more = await rig.submit()
     rig.co.abort_all(None)
     with pytest.raises(RequestAborted, match=r"the pipeline stopped$"):
@@ -742,7 +742,7 @@ async def test_nothing_is_left_behind_after_many_mixed_requests(rigs):
             outcomes[name] = outcomes.get(name, 0) + 1
     assert outcomes == {"ok": 100, "StageError": 34, "RequestAborted": 33, "CancelledError": 33}
     rig.assert_empty()
-    assert rig.co._behind == set()
+    assert rig.co.behind == set()
     last = rig.ep.sent[-1][1]
     assert type(last) in (wire.Forget, wire.Abort) and last.floor == 201
     work = rig.ep.of_type(wire.Data, to="src")

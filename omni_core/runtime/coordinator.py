@@ -498,6 +498,22 @@ class Coordinator:
     def state(self) -> dict[str, int]:
         return {"requests": len(self.requests), "by_id": len(self.by_id), "ordered": len(self.endpoint.ordered)}
 
+    @property
+    def pending_deadlines(self) -> int:
+        """How many requests have a ``request_timeout`` deadline armed (read-only)."""
+        return len(self._deadlines)
+
+    @property
+    def timer_armed(self) -> bool:
+        """Whether the request-timeout timer is set (read-only)."""
+        return self._timer is not None
+
+    @property
+    def behind(self) -> frozenset[str]:
+        """The processes that may still remember ended requests and get a ``Forget`` once none is
+        in flight (read-only)."""
+        return frozenset(self._behind)
+
 
 def retry_config(value: RetryConfig | Mapping[str, Any] | int, default: RetryConfig) -> RetryConfig:
     """A request's own retry policy: a ``RetryConfig``, a mapping of its fields (``{"attempts":
