@@ -21,7 +21,9 @@ A family subclasses :class:`CodecTalker` and fills its hooks:
 - ``forward_prefill(embeds, cache)``: the prefill's forward → logits [1, V] of its last position;
 - ``frame(state, logits)``: one step → one frame of ``codebooks`` codes (default: the first
   codebook sampled with the row's sampler; a multi-codebook talker draws the others here, e.g.
-  with a code predictor). A frame whose first code is in ``self.eos`` ends the row.
+  with a code predictor);
+- ``is_end(state, frame)``: whether a frame ends the row instead of being spoken (default: its
+  first code is in ``self.eos``; a family whose end is, say, all codebooks 0 says so here).
 
 The stage streams :class:`~omni_transformers.kit.chunks.CodesChunk` frames (``codes_per_chunk``
 frames a chunk) and returns ``{"codes": [...]}`` (frame-major).
@@ -33,7 +35,7 @@ import asyncio
 from typing import Any
 
 import torch
-from omni_core.decode_loop import NO_OUTPUT, DecodeLoop
+from omni_core.kits import NO_OUTPUT, DecodeLoop
 
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import CodesChunk, TextChunk, ThinkerEnd, ThinkerHead, thinker_chunk
@@ -135,6 +137,9 @@ class CodecTalker:
     def frame(self, state: TalkerRow, logits: torch.Tensor) -> list[int]:
         return [sample(state, logits, self.device)]
 
+    def is_end(self, state: TalkerRow, frame: list[int]) -> bool:
+        return frame[0] in state.eos
+
     # -- the step (worker thread) --------------------------------------------------------------
     def step(self, rows) -> list[Any]:
         with torch.inference_mode():
@@ -148,7 +153,7 @@ class CodecTalker:
                     continue
                 state.generated += 1
                 state.ids.append(frame[0])
-                if frame[0] in state.eos:
+                if self.is_end(state, frame):
                     rows[i].finish()
                     results[i] = None
                     continue

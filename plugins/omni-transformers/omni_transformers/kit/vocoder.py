@@ -51,6 +51,29 @@ def stream_error(streamed: torch.Tensor, unchunked: torch.Tensor) -> tuple[float
     return rel, corr
 
 
+def receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, limit: int = 1024) -> int:
+    """How many mel frames on either side of a frame change a convolutional vocoder's output for it
+    (``hop`` samples a frame): a one-frame change in the middle of a random mel, and the span of
+    samples it moves (grown until the span stays inside the probe)."""
+    probe = start
+    generator = torch.Generator().manual_seed(0)
+    while probe <= limit:
+        length = 2 * probe + 1
+        mel = torch.randn(1, mel_dim, length, generator=generator).to(device) * 0.5 - 4
+        bumped = mel.clone()
+        bumped[..., probe] += 1.0
+        with torch.inference_mode():
+            moved = (vocoder(mel).reshape(-1) != vocoder(bumped).reshape(-1)).nonzero().reshape(-1)
+        if moved.numel() == 0:
+            return 0
+        first, last = int(moved[0]) // hop, int(moved[-1]) // hop
+        reach = max(probe - first, last - probe)
+        if first > 0 and last < length - 1:
+            return reach + 1
+        probe *= 2
+    raise RuntimeError(f"the vocoder's receptive field is wider than {limit} mel frames on each side")
+
+
 class ChunkSchedule:
     """Chunk sizes in frames: the first ``first`` frames, each next one ``growth`` times larger up to
     ``largest``; ``lookback`` frames of left context and ``lookahead`` frames after a chunk; every

@@ -27,33 +27,9 @@ import attrs
 import torch
 
 from ..kit.sampling import torch_dtype
-from ..kit.vocoder import ChunkSchedule, StreamingVocoder, WavWriter, stream_error  # noqa: F401 (tests import them here)
+from ..kit.vocoder import ChunkSchedule, StreamingVocoder, WavWriter, receptive_field, stream_error  # noqa: F401
 from .common import DEFAULT_SPEAKER, sample_rate_of
 from .parts import load_part, load_speakers, speaker_params
-
-
-def vocoder_receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, limit: int = 1024) -> int:
-    """How many mel frames on either side of a frame change BigVGAN's output for it: a one-frame
-    change in the middle of a random mel, and the span of samples it moves (grown until the span
-    stays inside the probe)."""
-    probe = start
-    generator = torch.Generator().manual_seed(0)
-    while probe <= limit:
-        length = 2 * probe + 1
-        mel = torch.randn(1, mel_dim, length, generator=generator).to(device) * 0.5 - 4
-        bumped = mel.clone()
-        bumped[..., probe] += 1.0
-        with torch.inference_mode():
-            moved = (vocoder(mel).reshape(-1) != vocoder(bumped).reshape(-1)).nonzero().reshape(-1)
-        if moved.numel() == 0:
-            return 0
-        first, last = int(moved[0]) // hop, int(moved[-1]) // hop
-        reach = max(probe - first, last - probe)
-        if first > 0 and last < length - 1:
-            return reach + 1
-        probe *= 2
-    raise RuntimeError(f"BigVGAN's receptive field is wider than {limit} mel frames on each side")
-
 
 #: The stated bound between streamed chunks (concatenated) and the unchunked synthesis of the same
 #: codes with the same noise: relative RMS error and Pearson correlation (measured on the tiny
@@ -101,7 +77,7 @@ class Token2Wav(StreamingVocoder):
         vocoder = self.model.code2wav_bigvgan_model
         self.hop = math.prod(vocoder.config.upsample_rates)
         if vocoder_context is None:
-            vocoder_context = vocoder_receptive_field(vocoder, vocoder.config.mel_dim, self.hop, self.device)
+            vocoder_context = receptive_field(vocoder, vocoder.config.mel_dim, self.hop, self.device)
         self.vocoder_context = int(vocoder_context)
 
     def load_model(self, path, *, dtype: str, device: str):
