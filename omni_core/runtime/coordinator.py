@@ -397,7 +397,7 @@ class Coordinator:
 
     def _tell(self, msg: wire.Message, names: Iterable[str] | None = None) -> None:
         """Post ``msg`` to the live processes among ``names`` (default: all)."""
-        self.endpoint.post_all(self.lifecycle.live_of(names), msg)
+        self.lifecycle.tell(self.endpoint, msg, names)
 
     def fail_where(self, processes: set[str], error: Callable[[Request], BaseException]) -> int:
         """Fail every request that is, or will be, in one of ``processes`` (decided by where

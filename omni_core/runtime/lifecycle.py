@@ -11,9 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 from ..contracts import ProcessHandle
 from ..logs import get_logger
+
+
+class Poster(Protocol):
+    """Where :meth:`Lifecycle.tell` posts (the caller's endpoint)."""
+
+    def post_all(self, names: Iterable[str], msg: Any) -> None: ...
+
 
 #: The pipeline's states, in the order a run goes through them (``running ⇄ restarting``).
 STATES = ("new", "starting", "running", "restarting", "stopping", "stopped")
@@ -64,3 +72,8 @@ class Lifecycle:
     def live_of(self, names: Iterable[str] | None = None) -> list[str]:
         """The live processes among ``names`` (default: every process)."""
         return [n for n in (self.handles if names is None else names) if self.live(n)]
+
+    def tell(self, endpoint: Poster, msg: Any, names: Iterable[str] | None = None) -> None:
+        """Post ``msg`` through ``endpoint`` to the live processes among ``names`` (default:
+        all): how the runner and the coordinator talk to the processes."""
+        endpoint.post_all(self.live_of(names), msg)

@@ -24,7 +24,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -357,10 +357,6 @@ class Runner:
             if not waiting and not fut.done():
                 fut.set_result(None)
 
-    def broadcast(self, msg: Any, names: Iterable[str] | None = None) -> None:
-        """Post ``msg`` to the processes ``names`` (default: all) that are alive."""
-        self.endpoint.post_all(self.lifecycle.live_of(names), msg)
-
     async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """Per-request state every live process holds (table → entries)."""
         token = secrets.randbits(31)
@@ -369,7 +365,7 @@ class Runner:
         reports: dict[str, dict[str, int]] = {}
         self._reports[token] = (fut, reports, set(names))
         try:
-            self.broadcast(wire.StateQuery(token), names)
+            self.lifecycle.tell(self.endpoint, wire.StateQuery(token), names)
             if names:
                 await asyncio.wait_for(fut, timeout)
         finally:
@@ -381,9 +377,9 @@ class Runner:
     def group_of(self, name: str) -> list[str]:
         """The processes restarted together with ``name``: its TP group (every rank of the
         replica), or the process alone."""
-        spec = self.boots[name].process
-        leader = spec.leader or spec.name
-        return [leader, *self.boots[leader].followers]
+        assert self.plan is not None  # set by start
+        leader = self.boots[name].process.leader or name
+        return [leader, *self.plan.followers(leader)]
 
     def _on_exit(self, name: str, handle: ProcessHandle) -> None:
         with contextlib.suppress(Exception):
@@ -599,10 +595,22 @@ class Runner:
             except Exception:
                 self.log.exception("relay sweep failed", relay=relay_name)
 
-    @staticmethod
-    async def _join(handle: ProcessHandle, timeout: float) -> None:
-        end = time.monotonic() + max(0.0, timeout)
-        while handle.exitcode is None and time.monotonic() < end:
-            await asyncio.sleep(0.01)
-        if handle.exitcode is not None:
-            handle.join(0)
+    async def _join(self, handle: ProcessHandle, timeout: float) -> None:
+        """Wait up to ``timeout`` for ``handle``'s process to exit: on its sentinel (readable
+        once the process is gone), then reap it."""
+        if handle.exitcode is None and timeout > 0:
+            gone: asyncio.Future[None] = self._loop.create_future()
+
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            self._loop.add_reader(handle.sentinel, exited)
+            try:
+                await asyncio.wait_for(gone, timeout)
+            except asyncio.TimeoutError:
+                return
+            finally:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(handle.sentinel)
+        handle.join(0 if handle.exitcode is not None else 0.1)
