@@ -71,6 +71,7 @@ def omni_register_functions(register: Register) -> None:
     - ``wait_for``: ``fn(request_id, from_stage, payload) -> list[str] | None`` (None: not known yet)
     - ``stream_done``: ``fn(request_id, payload) -> str | list[str] | None``
     - ``project_payload``: ``fn(payload) -> payload`` (per-target projection before sending)
+    - ``project_stream``: ``fn(chunk) -> chunk`` (per-target projection of each streamed chunk)
     - ``terminal_stages``: ``fn(inputs) -> list[str] | None`` (per-request terminal subset)
     """
 

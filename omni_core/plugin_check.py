@@ -30,10 +30,11 @@ from .registry import FUNCTION_KINDS, KIND_LABELS, Entry, normalize_distribution
 
 #: How many positional arguments omni passes to each function kind (see hookspecs).
 FUNCTION_ARITY = {"route": 2, "merge": 1, "wait_for": 3, "stream_done": 2, "project_payload": 1,
-                  "terminal_stages": 1}
+                  "project_stream": 1, "terminal_stages": 1}
 _SIGNATURES = {"route": "fn(request_id, payload)", "merge": "fn(payloads)",
                "wait_for": "fn(request_id, from_stage, payload)", "stream_done": "fn(request_id, payload)",
-               "project_payload": "fn(payload)", "terminal_stages": "fn(inputs)"}
+               "project_payload": "fn(payload)", "project_stream": "fn(chunk)",
+               "terminal_stages": "fn(inputs)"}
 
 
 @attrs.frozen

@@ -28,6 +28,7 @@ FUNCTION_KINDS: tuple[str, ...] = (
     "wait_for",
     "stream_done",
     "project_payload",
+    "project_stream",
     "terminal_stages",
 )
 

@@ -193,6 +193,13 @@ def route_raises(request_id, payload):
     raise RuntimeError("route exploded")
 
 
+def chunk_index(chunk):
+    """A stream projection: the chunk's index alone (its tensor stays with the next stage)."""
+    if chunk["i"] == 13:
+        raise RuntimeError("projection exploded at chunk 13")
+    return {"i": chunk["i"]}
+
+
 def route_unknown(request_id, payload):
     return "nowhere"
 

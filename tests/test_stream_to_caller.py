@@ -12,6 +12,7 @@ import torch
 from runtime_helpers import arun, fn, no_leaks, pipeline, stage  # noqa: F401
 
 from omni_core import Pipeline, load_config
+from omni_core.config.validate import validate_config
 from omni_core.errors import ConfigError
 from omni_core.plan import build_plan
 from omni_core.plan.render import plan_dict, render_text
@@ -133,3 +134,40 @@ def test_caller_is_a_reserved_stage_name_and_a_terminal_stage_needs_no_caller_st
     assert plan_dict(plan)["caller_streams"] == ["tok"]
     assert [(e.src, e.dst, e.kind) for e in plan.edges] == [("tok", "collect", "next"), ("tok", "collect", "stream")]
     assert re.search(r"tok +\(caller\) +stream +to the caller", render_text(plan))
+
+
+def test_project_stream_gives_the_caller_its_own_view_of_each_chunk_and_the_next_stage_the_whole_chunk():
+    cfg = both(buffer=3)
+    cfg["stages"][0]["project_stream"] = {"caller": fn("chunk_index")}
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            runs = await asyncio.gather(*(read(p, {"n": 12, "r": r}) for r in range(6)))
+            with pytest.raises(Exception, match="projection exploded at chunk 13"):
+                await read(p, {"n": 20})
+            after = await read(p, {"n": 8})
+            return runs, after
+
+    runs, after = arun(body(), timeout=200)
+    for events, result in [*runs, after]:
+        n = len(events)
+        assert [e.data for e in events] == [{"i": i} for i in range(n)]  # no tensor reaches the caller
+        assert result == {"got": list(range(n)), "bad": []}  # collect got every tensor, right
+    assert [len(events) for events, _ in runs] == [12] * 6 and len(after[0]) == 8
+
+
+def test_project_stream_names_a_target_the_stage_streams_to():
+    cfg = both()
+    cfg["stages"][0]["project_stream"] = {"sink": fn("chunk_index")}
+    with pytest.raises(ConfigError, match=r"project_stream\.sink.*stream projection for 'sink', which this stage "
+                                          r"does not stream to"):
+        load_config(cfg)
+    cfg["stages"][0]["project_stream"] = {"caller": "nobody.registered_this"}
+    with pytest.raises(ConfigError, match=r"project_stream\.caller.*nobody\.registered_this"):
+        validate_config(load_config(cfg, validate=False), registry=get_registry())
+    cfg["stages"][0]["project_stream"] = {"caller": 3}
+    with pytest.raises(ConfigError, match="project_stream"):
+        load_config(cfg)
+    cfg["stages"][0]["project_stream"] = {"collect": fn("chunk_index"), "caller": fn("chunk_index")}
+    assert load_config(cfg).stage("tok").project_stream == {"collect": fn("chunk_index"),
+                                                            "caller": fn("chunk_index")}

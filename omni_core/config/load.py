@@ -178,7 +178,7 @@ def _section(conv: cattrs.Converter, cls: type[Any], what: str, shorthand: str |
 
 
 def _function_map(value: Any, _: Any) -> dict[str, str]:
-    """``project_payload``: target stage → function name."""
+    """``project_payload`` / ``project_stream``: target stage → function name."""
     if not isinstance(value, Mapping):
         raise _TypeMismatch("a mapping of target stage to function name", value)
     for key, val in value.items():
@@ -259,6 +259,7 @@ def _make_converter() -> cattrs.Converter:
         _section(
             conv, StageConfig, "a stage with at least name and factory",
             project_payload=cattrs.gen.override(struct_hook=_function_map),
+            project_stream=cattrs.gen.override(struct_hook=_function_map),
         ),
     )
     stage_list = _stage_list(conv)

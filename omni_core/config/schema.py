@@ -130,6 +130,7 @@ class StageConfig:
     merge_fn: str | None = None
     project_payload: dict[str, str] = attrs.field(factory=dict)
     stream_to: tuple[str, ...] = ()
+    project_stream: dict[str, str] = attrs.field(factory=dict)
     stream_done_to_fn: str | None = None
     can_accept_stream_before_payload: bool = False
     # placement and processes

@@ -149,6 +149,11 @@ def references(cfg: PipelineConfig, ctx: _Context) -> None:
                 ctx.add(_sp(i, f"project_payload.{target}"),
                         f"projection for {target!r}, which is not in this stage's next",
                         f"next is {list(stage.next)}")
+        for target in stage.project_stream:
+            if target not in stage.stream_to and not (target == CALLER_STAGE and stage.terminal):
+                ctx.add(_sp(i, f"project_stream.{target}"),
+                        f"stream projection for {target!r}, which this stage does not stream to",
+                        f"stream_to is {list(stage.stream_to)}")
 
 
 @rule
@@ -516,6 +521,8 @@ def registered_names(cfg: PipelineConfig, ctx: _Context) -> None:
         _resolvable(ctx, _sp(i, "stream_done_to_fn"), "stream_done", stage.stream_done_to_fn)
         for target, fn in stage.project_payload.items():
             _resolvable(ctx, _sp(i, f"project_payload.{target}"), "project_payload", fn)
+        for target, fn in stage.project_stream.items():
+            _resolvable(ctx, _sp(i, f"project_stream.{target}"), "project_stream", fn)
         if stage.relay is not None and stage.relay.backend != "auto":
             _resolvable(ctx, _sp(i, "relay.backend"), "relay", stage.relay.backend)
     _resolvable(ctx, "terminal_stages_fn", "terminal_stages", cfg.terminal_stages_fn)

@@ -68,6 +68,7 @@ def _functions(registry: Registry, stage: StageConfig) -> StageFunctions:
         wait_for=get("wait_for", stage.wait_for_fn),
         stream_done=get("stream_done", stage.stream_done_to_fn),
         project={t: registry.resolve("project_payload", fn) for t, fn in stage.project_payload.items()},
+        project_stream={t: registry.resolve("project_stream", fn) for t, fn in stage.project_stream.items()},
     )
 
 

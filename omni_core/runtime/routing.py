@@ -148,8 +148,8 @@ class Router:
 
     async def emit(self, stage: StageRuntime, rid: int, request_id: str, chunk: Any) -> None:
         """A chunk goes to every ``stream_to`` stage and, when the stage is terminal or streams to
-        ``caller``, to the caller too; each consumer's window gives a credit first (waiting for
-        one if needed)."""
+        ``caller``, to the caller too, each target's ``project_stream`` function applied to it
+        first; each consumer's window gives a credit first (waiting for one if needed)."""
         cfg = stage.cfg
         if not cfg.stream_to and not cfg.terminal:
             raise WiringError(f"stage {cfg.name!r} emitted a chunk but has no stream_to and is not terminal")
@@ -166,9 +166,13 @@ class Router:
                 targets.append(target)
             elif await self._credit(rid, cfg.name, target):
                 targets.append(target)
+        project = stage.fns.project_stream
         if targets:
-            await self._deliver("chunk", stage, rid, request_id, targets, None, chunk)
+            payloads = {t: (project[t](chunk) if t in project else chunk) for t in targets} if project else None
+            await self._deliver("chunk", stage, rid, request_id, targets, payloads, chunk)
         if to_caller and await self._credit(rid, cfg.name, CALLER):
+            if CALLER_STAGE in project:  # e.g. the text of a chunk whose tensors are for the next stage
+                chunk = project[CALLER_STAGE](chunk)
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self.endpoint.send_data(COORDINATOR, wire.Data("event", rid, request_id, cfg.name, cfg.name, skeleton,
                                                                  trace=self._trace(rid)), tensors, CALLER_RELAY)

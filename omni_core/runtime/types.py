@@ -117,3 +117,4 @@ class StageFunctions:
     wait_for: Callable | None = None
     stream_done: Callable | None = None
     project: dict[str, Callable] = attrs.Factory(dict)
+    project_stream: dict[str, Callable] = attrs.Factory(dict)  # stream target -> fn(chunk)
