@@ -478,8 +478,10 @@ def outcome(exc: BaseException) -> str:
 # -- Prometheus text ---------------------------------------------------------------------------------------
 
 
-def prometheus_text(snapshot: Mapping[str, Any]) -> str:
-    """The snapshot in Prometheus' text exposition format (through prometheus-client)."""
+def prometheus_text(snapshot: Mapping[str, Any], *, definitions: Mapping[str, tuple[str, str, tuple[str, ...]]] | None = None) -> str:
+    """The snapshot in Prometheus' text exposition format (through prometheus-client);
+    ``definitions``: the metrics to show instead of :data:`DEFINITIONS` (``omni serve`` with
+    several pipelines adds a ``pipeline`` label to each)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -488,7 +490,7 @@ def prometheus_text(snapshot: Mapping[str, Any]) -> str:
 
     class _Collector:
         def collect(self):
-            for name, (kind, help_text, labelnames) in DEFINITIONS.items():
+            for name, (kind, help_text, labelnames) in (DEFINITIONS if definitions is None else definitions).items():
                 if kind == "histogram":
                     family = HistogramMetricFamily(name, help_text, labels=labelnames)
                     for labels, row in histograms.get(name, []):

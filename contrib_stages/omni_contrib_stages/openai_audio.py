@@ -224,7 +224,17 @@ def _form_value(form: Any, name: str) -> str | None:
 def make_routes(api: Any) -> list[Any]:
     """The API factory registered as ``openai``: the chat API's routes
     (:func:`omni_contrib_stages.openai_api.make_routes`) for ``kind: chat``; for ``asr`` and
-    ``tts`` its ``/v1/models`` and this module's endpoint instead of ``/v1/chat/completions``."""
+    ``tts`` its ``/v1/models`` and this module's endpoint instead of ``/v1/chat/completions``.
+    A server of several pipelines (``omni serve A B``) gets each pipeline's routes behind one
+    route per path that picks the pipeline by the request's ``model`` (:func:`by_model`)."""
+    peers = api.peers() if hasattr(api, "peers") else {api.pipeline_name: api}
+    if len(peers) == 1:
+        return pipeline_routes(api)
+    return by_model({name: pipeline_routes(peer) for name, peer in peers.items()})
+
+
+def pipeline_routes(api: Any) -> list[Any]:
+    """One pipeline's ``openai`` routes."""
     from .openai_api import adapter_options
     from .openai_api import make_routes as chat_routes
 
@@ -235,6 +245,100 @@ def make_routes(api: Any) -> list[Any]:
     kept = [r for r in routes if getattr(r, "path", None) != "/v1/chat/completions"]
     error_body = getattr(kept[0].endpoint, "omni_error_body", None) if kept else None
     return kept + audio_routes(api, opts, opts["kind"], error_body)
+
+
+#: How a request to each path names its model: in the JSON body, the multipart form, the path.
+_MODEL_IN = {"/v1/chat/completions": "json", "/v1/audio/speech": "json", "/v1/audio/transcriptions": "form",
+             "/v1/models/{model:path}": "path"}
+
+
+def by_model(served: dict[str, list[Any]]) -> list[Any]:
+    """One route per (path, method) over the routes of several pipelines (``served``: each
+    pipeline's, by name, in the server's order): ``GET /v1/models`` lists every pipeline; the
+    others hand the request to the routes of the pipeline its ``model`` names (a model that does
+    not exist is a 404 naming those served, one served that has no such route a 400 naming the
+    ones that have it; without a model the first pipeline that has the route answers, saying what
+    is missing)."""
+    from starlette.exceptions import HTTPException
+    from starlette.formparsers import MultiPartException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from omni_core.serve import HTTPError, parse_json
+
+    def error(status: int, message: str, param: str | None = "model", code: str | None = None) -> Any:
+        return JSONResponse({"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                                       "param": param, "code": code}}, status_code=status)
+
+    table: dict[tuple[str, str], dict[str, Any]] = {}
+    for name, routes in served.items():
+        for route in routes:
+            for method in sorted(route.methods or ()):
+                if method != "HEAD":
+                    table.setdefault((route.path, method), {})[name] = route.endpoint
+    names = list(served)
+    listed = ", ".join(repr(n) for n in names)
+
+    async def model_of(request: Any, path: str) -> Any:
+        where = _MODEL_IN.get(path)
+        if where == "path":
+            return request.path_params.get("model")
+        if where == "json":
+            try:
+                body = parse_json(await request.body())
+            except HTTPError:
+                return None  # the pipeline's own route says what is wrong with the body
+            return body.get("model") if isinstance(body, dict) else None
+        if where == "form":
+            # Read once (with the limits of the transcription route, which reads the same form).
+            form = await request.form(max_files=1, max_fields=len(TRANSCRIPTION_FIELDS) + 8, max_part_size=64 * 1024)
+            value = form.get("model")
+            return value if isinstance(value, str) else None
+        return None
+
+    def dispatcher(path: str, method: str, endpoints: dict[str, Any]) -> Any:
+        first = next(iter(endpoints.values()))
+
+        async def dispatch(request: Any) -> Any:
+            ctype = request.headers.get("content-type", "").lower()
+            try:
+                if _MODEL_IN.get(path) == "form" and not ctype.startswith("multipart/form-data"):
+                    return await first(request)  # refused there, naming the content type
+                model = await model_of(request, path)
+            except (HTTPException, MultiPartException) as exc:
+                return error(400, f"the multipart form could not be read: {getattr(exc, 'detail', None) or exc}", None)
+            if model is None or model == "":
+                return await first(request)  # "'model' is required", or what else is wrong
+            endpoint = endpoints.get(model)
+            if endpoint is not None:
+                return await endpoint(request)
+            if model not in served:
+                return error(404, f"the model {model!r} does not exist; this server serves {listed}",
+                             code="model_not_found")
+            having = ", ".join(repr(n) for n in endpoints)
+            return error(400, f"the model {model!r} does not serve {method} {path.split('{')[0].rstrip('/')}; "
+                              f"the models that do: {having}")
+
+        dispatch.omni_error_body = getattr(first, "omni_error_body", None)  # type: ignore[attr-defined]
+        return dispatch
+
+    async def models(request: Any) -> Any:
+        cards = []
+        for name, endpoints in ((n, table.get(("/v1/models", "GET"), {})) for n in names):
+            if name in endpoints:
+                response = await endpoints[name](request)
+                cards += json.loads(response.body)["data"]
+        return JSONResponse({"object": "list", "data": cards})
+
+    out = []
+    for (path, method), endpoints in table.items():
+        if (path, method) == ("/v1/models", "GET"):
+            endpoint = models
+            models.omni_error_body = getattr(next(iter(endpoints.values())), "omni_error_body", None)  # type: ignore[attr-defined]
+        else:
+            endpoint = dispatcher(path, method, endpoints)
+        out.append(Route(path, endpoint, methods=[method]))
+    return out
 
 
 def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> list[Any]:

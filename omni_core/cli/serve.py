@@ -1,4 +1,4 @@
-"""`omni serve`: serve one pipeline over HTTP until SIGTERM/SIGINT, then drain and stop."""
+"""`omni serve`: serve one or several pipelines over HTTP until SIGTERM/SIGINT, then drain and stop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .common import LogLevel, app, err
 
 @app.command()
 def serve(
-    config: Annotated[str, typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file or a registered pipeline name (e.g. demo).")],
+    configs: Annotated[list[str], typer.Argument(metavar="CONFIG...", help="A YAML/TOML/JSON file, a registered pipeline name (e.g. demo) or a checkpoint folder; several: one server serves each (a request picks one by its name, the OpenAI APIs by 'model').")],
     host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The port to listen on (0: any free port, printed at start).")] = 8000,
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,
@@ -29,9 +29,14 @@ def serve(
     """Serve a pipeline over HTTP: JSON and SSE requests, APIs from plugins, /metrics, and the
     console (open the printed URL in a browser: the graph, live state, a playground).
 
-    Ready (GET /ready 200) once every stage process is ready. SIGTERM or SIGINT drains: no new
+    Several pipelines (omni serve A B ...): each keeps its own processes, metrics (their
+    'pipeline' label) and console graph (/?pipeline=NAME); POST /v1/pipelines/NAME/requests
+    reaches one, the OpenAI APIs pick one by the request's 'model', GET /v1/models lists them.
+    --api mounts an API for every one of them.
+
+    Ready (GET /ready 200) once every stage process (of every pipeline) is ready. SIGTERM or SIGINT drains: no new
     requests, those in flight finish within --drain-timeout, then everything stops; a second
-    signal aborts what is left. If the pipeline stops on its own (a stage process died and the
+    signal aborts what is left. If a pipeline stops on its own (a stage process died and the
     config's restart policy cannot bring it back), the server fails what is in flight and exits
     with status 3, for its supervisor to restart it.
 
@@ -45,6 +50,8 @@ def serve(
       omni serve demo
 
       omni serve pipeline.yaml --port 9000 --api openai
+
+      omni serve demo asr.yaml tts.yaml --api openai --api realtime
 
       omni serve demo --host 0.0.0.0 --api-key-file keys.txt --ssl-certfile cert.pem --ssl-keyfile key.pem
     """
@@ -63,13 +70,16 @@ def serve(
     _check_gpus(gpus)
     if gpus == 0:  # every stage on the CPU: neither placement nor a stage process sees a GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    add_config_import_paths(config)  # factories beside the config, or in the working directory
+    for config in configs:
+        add_config_import_paths(config)  # factories beside the config, or in the working directory
     try:
-        check_stage_args(config)
+        for config in configs:
+            check_stage_args(config)
     except ConfigError as exc:
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
-    prestart(config)  # the forkserver imports torch while this process does
+    prestart(configs[0])  # the forkserver imports torch while this process does
+    config = " ".join(configs)
     from ..serve.context import ServeSettings
     from ..serve.server import run
 
@@ -81,7 +91,8 @@ def serve(
         err.print(f"omni serve: {config} on {url}", markup=False, highlight=False)
 
     try:
-        status = run(_on_gpus(config, gpus) if gpus else config, settings, announce=announce)
+        targets = [_on_gpus(c, gpus) if gpus else c for c in configs]
+        status = run(targets[0] if len(targets) == 1 else targets, settings, announce=announce)
     except ConfigError as exc:
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None

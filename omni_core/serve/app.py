@@ -1,7 +1,8 @@
 """The ASGI application of ``omni serve``: the core routes, the console (:mod:`.console`), the
 mounted APIs, the access log.
 
-One pipeline per server; the server process is the pipeline's caller. Every request that reaches
+One or several pipelines per server (``omni serve A B``: :attr:`ServeState.group`); the server
+process is their caller. Every request that reaches
 the pipeline goes through :class:`~omni_core.serve.context.ApiContext` (the core route, the
 console and every API plugin alike), which refuses new work while the server drains, counts the
 request in the metrics, aborts it when the client goes away, and bounds it by its timeout.
@@ -50,27 +51,38 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
     from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
 
-    api = ApiContext("core", state.pipeline, state.settings, {}, state)
+    def states() -> list[ServeState]:
+        return list(state.group.values())
+
+    def several(body: dict[str, Any]) -> dict[str, Any]:
+        """With several pipelines: each one's own status beside the server's."""
+        if len(state.group) > 1:
+            body["pipelines"] = {s.name: _one_status(s) for s in states()}
+        return body
 
     async def health(request):
-        body = {"status": state.pipeline.state, "pipeline": state.name}
-        if not state.alive and not state.draining:  # it cannot go on: the server exits (see server.py)
-            body["error"] = stopped_reason(state)
-        return JSONResponse(body, status_code=200 if state.alive else 503)
+        dead = next((s for s in states() if not s.alive), None)
+        first = dead or state
+        body = {"status": first.pipeline.state, "pipeline": first.name}
+        if dead is not None and not dead.draining:  # it cannot go on: the server exits (see server.py)
+            body["error"] = stopped_reason(dead)
+        return JSONResponse(several(body), status_code=503 if dead is not None else 200)
 
     async def ready(request):
-        if state.ready:
-            return JSONResponse({"status": "ready", "pipeline": state.name})
-        why = "draining" if state.draining else state.pipeline.state
+        waiting = next((s for s in states() if not s.ready), None)
+        if waiting is None:
+            return JSONResponse(several({"status": "ready", "pipeline": state.name}))
+        dead = next((s for s in states() if not s.alive), None)
+        why = "draining" if waiting.draining else waiting.pipeline.state
         if why == "running":
             why = "starting"
-        body = {"status": why, "pipeline": state.name}
-        if not state.alive and not state.draining:
-            body.update(status="failed", error=stopped_reason(state))
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER)})
+        body = {"status": why, "pipeline": waiting.name}
+        if dead is not None and not dead.draining:
+            body.update(status="failed", pipeline=dead.name, error=stopped_reason(dead))
+        return JSONResponse(several(body), status_code=503, headers={"Retry-After": str(RETRY_AFTER)})
 
     async def metrics(request):
-        text = await asyncio.get_running_loop().run_in_executor(None, state.meter.prometheus_text)
+        text = await asyncio.get_running_loop().run_in_executor(None, prometheus_text, states())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def plugins(request):
@@ -79,31 +91,34 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
         return JSONResponse([info.to_dict() for info in get_plugins().infos])
 
     async def pipelines(request):
-        cfg = state.pipeline.config
         return JSONResponse({"pipelines": [{
-            "name": cfg.name,
-            "description": cfg.description,
-            "state": state.pipeline.state,
-            "ready": state.ready,
-            "stages": cfg.stage_names,
-            "terminal_stages": list(cfg.terminal_stages),
-            "apis": list(state.settings.apis),
-            "processes": state.pipeline.pids(),
-        }]})
+            "name": s.pipeline.config.name,
+            "description": s.pipeline.config.description,
+            "state": s.pipeline.state,
+            "ready": s.ready,
+            "stages": s.pipeline.config.stage_names,
+            "terminal_stages": list(s.pipeline.config.terminal_stages),
+            "apis": list(s.apis),
+            "processes": s.pipeline.pids(),
+        } for s in states()]})
+
+    apis = {s.name: ApiContext("core", s.pipeline, s.settings, {}, s) for s in states()}
 
     async def requests(request):
         name = request.path_params["name"]
         try:
-            if name != state.name:
-                raise HTTPError(404, "UnknownPipeline", f"unknown pipeline {name!r}; this server serves {state.name!r}")
+            api = apis.get(name)
+            if api is None:
+                served = ", ".join(repr(n) for n in state.group)
+                raise HTTPError(404, "UnknownPipeline", f"unknown pipeline {name!r}; this server serves {served}")
             inputs, stream, request_id, timeout = request_fields(await read_json(request))
             request_id = request_id or new_request_id()
-            state.check_available()
+            api.state.check_available()
         except HTTPError as exc:
             return error_response(exc)
         request.scope.setdefault("state", {})["omni_request_id"] = request_id
         if stream:
-            return await _stream(request, inputs, request_id, timeout)
+            return await _stream(request, api, inputs, request_id, timeout)
         try:
             result = await until_disconnect(request.receive, api.submit(inputs, request_id=request_id, timeout=timeout,
                                                                         headers=request.headers))
@@ -115,7 +130,7 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
             return _failed(request, exc)
         return JSONResponse({"id": request_id, "result": to_jsonable(result)})
 
-    async def _stream(request, inputs, request_id, timeout):
+    async def _stream(request, api, inputs, request_id, timeout):
         events = api.stream(inputs, request_id=request_id, timeout=timeout, headers=request.headers)
         # Errors before the first event (overloaded, a stage failing at once) get their status
         # code; later ones become an `event: error`.
@@ -162,9 +177,41 @@ def build_app(state: ServeState, api_routes: list[Any] | None = None):
     # Outside in: the access log sees every answer (401s included); a request without a valid
     # key is answered before its body is read.
     keys = ApiKeys(state.settings.api_keys)
-    guarded = Auth(BodyLimit(app, state.pipeline.config.serve.max_request_bytes), keys, state.settings.public_routes,
+    limit = max(s.pipeline.config.serve.max_request_bytes for s in states())
+    guarded = Auth(BodyLimit(app, limit), keys, state.settings.public_routes,
                    CORE_PATHS)
     return AccessLog(guarded, state, app)
+
+
+def _one_status(state: ServeState) -> dict[str, Any]:
+    """One pipeline's part of /health and /ready when a server serves several."""
+    status = "ready" if state.ready else "draining" if state.draining else state.pipeline.state
+    body: dict[str, Any] = {"status": "starting" if status == "running" else status}
+    if not state.alive and not state.draining:
+        body.update(status="failed", error=stopped_reason(state))
+    return body
+
+
+def prometheus_text(states: list[ServeState]) -> str:
+    """The server's metrics: each pipeline's, every series labelled by its pipeline when the
+    server serves several (stage metrics gain a ``pipeline`` label then: two pipelines may
+    have stages of one name)."""
+    from .. import metrics
+
+    if len(states) == 1:
+        return states[0].meter.prometheus_text()
+    values: dict[str, list[Any]] = {}
+    histograms: dict[str, list[Any]] = {}
+    definitions = {name: (kind, help_text, labels if "pipeline" in labels else ("pipeline", *labels))
+                   for name, (kind, help_text, labels) in metrics.DEFINITIONS.items()}
+    for s in states:
+        snap = s.meter.snapshot()
+        for into, part in ((values, snap.get("values", {})), (histograms, snap.get("histograms", {}))):
+            for name, series in part.items():
+                own = "pipeline" in metrics.DEFINITIONS.get(name, ("", "", ("pipeline",)))[2]
+                into.setdefault(name, []).extend(
+                    (labels, row) if own else ([s.name, *labels], row) for labels, row in series)
+    return metrics.prometheus_text({"values": values, "histograms": histograms}, definitions=definitions)
 
 
 def stopped_reason(state: ServeState) -> str:

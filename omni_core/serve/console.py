@@ -103,7 +103,8 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
     from ..plan.render import group_label
 
     cfg = plan.config
-    chat = chat_path(state.settings.apis, registry)
+    apis = state.apis if hasattr(state, "apis") else state.settings.apis  # the APIs serving this pipeline
+    chat = chat_path(apis, registry)
     groups = []
     for name in plan.groups:
         procs = plan.group(name)
@@ -123,7 +124,7 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
         "groups": groups,
         "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind, "relay": e.relay,
                    "label": e.relay if e.kind == "next" else f"stream: {e.relay}"} for e in plan.edges],
-        "apis": list(state.settings.apis),
+        "apis": list(apis),
         "chat": chat,
         "openai": chat is not None,  # the former name of "chat is not None"
         "example": to_jsonable(example_input(state)),
@@ -276,7 +277,7 @@ def routes(state: ServeState) -> list[Any]:
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
-    api = ApiContext("console", state.pipeline, state.settings, {}, state)
+    apis = {s.name: ApiContext("console", s.pipeline, s.settings, {}, s) for s in state.group.values()}
     headers = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}
 
     async def page(request):
@@ -288,14 +289,38 @@ def routes(state: ServeState) -> list[Any]:
             return error_response(HTTPError(404, "NotFound", f"GET {request.url.path}: no such console file"))
         return Response(_static(name), media_type=STATIC[name], headers=headers)
 
+    def chosen(request) -> ApiContext:
+        """The pipeline a console request is about: ``?pipeline=NAME`` (a server may serve
+        several), the first one without it; a 404 naming those served otherwise."""
+        name = request.query_params.get("pipeline")
+        if name is None:
+            return next(iter(apis.values()))
+        if name not in apis:
+            served = ", ".join(repr(n) for n in apis)
+            raise HTTPError(404, "UnknownPipeline", f"unknown pipeline {name!r}; this server serves {served}")
+        return apis[name]
+
     async def current(request):
-        return JSONResponse({"topology": topology(state), "state": Feed(state).snapshot(await read_exports(state))})
+        try:
+            one = chosen(request).state
+        except HTTPError as exc:
+            return error_response(exc)
+        body = {"topology": topology(one), "state": Feed(one).snapshot(await read_exports(one))}
+        if len(apis) > 1:  # a server of several pipelines: their names, for ?pipeline=
+            body["pipelines"] = list(apis)
+        return JSONResponse(body)
 
     async def events(request):
-        return EventStream(push(state))
+        try:
+            one = chosen(request).state
+        except HTTPError as exc:
+            return error_response(exc)
+        return EventStream(push(one))
 
     async def playground(request):
         try:
+            api = chosen(request)
+            state = api.state
             inputs, _, request_id, timeout = request_fields(await read_json(request))
             request_id = request_id or new_request_id()
             state.check_available()

@@ -63,6 +63,11 @@ class ServeState:
         #: the server then fails what is in flight and exits non-zero. None while it can.
         self.failed: str | None = None
         self.log = get_logger(pipeline=self.name)
+        #: Every pipeline's state in this server, by pipeline name, in the order given (``omni
+        #: serve A B``): one dict shared by all of them (this one alone when it serves one).
+        self.group: dict[str, ServeState] = {self.name: self}
+        #: The APIs this pipeline is served by (its ``serve.apis``, then ``--api``).
+        self.apis: tuple[str, ...] = tuple(settings.apis)
 
     @property
     def ready(self) -> bool:
@@ -119,6 +124,17 @@ class ApiContext:
     @property
     def pipeline_name(self) -> str:
         return self.state.name
+
+    def peers(self) -> dict[str, ApiContext]:
+        """This API's context for every pipeline of the server that it serves, by pipeline name,
+        this one first (``omni serve A B`` serves several): an API picks the pipeline by the
+        request's ``model``. Each has that pipeline's own ``options``."""
+        out = {self.state.name: self}
+        for name, state in self.state.group.items():
+            if name not in out and self.name in state.apis:
+                options = dict(state.pipeline.config.serve.options.get(self.name, {}))
+                out[name] = ApiContext(self.name, state.pipeline, self.settings, options, state)
+        return out
 
     async def submit(self, inputs: Any, *, request_id: str | None = None, timeout: float | None = None,
                      headers: Mapping[str, str] | None = None) -> Any:

@@ -108,19 +108,43 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def pipeline_apis(settings: ServeSettings, config: Any) -> tuple[str, ...]:
+    """The APIs one pipeline is served by: its ``serve.apis`` then ``--api`` names, each once."""
+    return tuple(dict.fromkeys([*config.serve.apis, *settings.apis]))
+
+
 async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
-    """Serve ``config`` until a signal; returns the exit status. ``announce(url)`` is called once
-    the socket listens (the CLI prints it)."""
+    """Serve ``config`` (one config, or a list of them: several pipelines in one server) until a
+    signal; returns the exit status. ``announce(url)`` is called once the socket listens (the CLI
+    prints it)."""
     import uvicorn
 
+    from ..errors import ConfigError
     from ..runtime.pipeline import Pipeline
 
     log = get_logger(component="serve")
-    pipeline = Pipeline(config)
-    names = api_names(settings, pipeline.config)
+    configs = list(config) if isinstance(config, (list, tuple)) else [config]
+    if not configs:
+        raise ConfigError("omni serve needs at least one pipeline")
+    pipelines = [Pipeline(c) for c in configs]
+    seen: dict[str, int] = {}
+    for i, p in enumerate(pipelines):
+        if p.config.name in seen:
+            raise ConfigError(f"two pipelines named {p.config.name!r} (the {_ordinal(seen[p.config.name])} and the "
+                              f"{_ordinal(i)} given): each pipeline of one server needs its own name (its config's "
+                              "'name'), which requests pick it by")
+        seen[p.config.name] = i
+    per_pipeline = [pipeline_apis(settings, p.config) for p in pipelines]
+    names = list(dict.fromkeys(n for apis in per_pipeline for n in apis))
     factories = resolve_apis(names)
     settings.apis = tuple(names)
-    state = ServeState(pipeline, settings)
+    states = [ServeState(p, settings) for p in pipelines]
+    group = {s.name: s for s in states}
+    for s, apis in zip(states, per_pipeline, strict=True):
+        s.group = group
+        s.apis = apis
+    state = states[0]
+    pipeline = state.pipeline
     app = build_app(state)
     tls = check_tls(settings)
     sock = bind(settings.host, settings.port)
@@ -148,14 +172,14 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
         url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
         if announce is not None:
             announce(url)
-        log.info("listening", url=url, pipeline=pipeline.config.name, apis=names, api_keys=len(settings.api_keys),
+        log.info("listening", url=url, pipelines=list(group), apis=names, api_keys=len(settings.api_keys),
                  public_routes=list(settings.public_routes) if settings.api_keys else "all")
         if not settings.api_keys and not is_loopback(settings.host):
             log.warning("serving without an API key on a non-loopback address: anyone who reaches it can use every "
                         "route, the console and its playground included; pass --api-key-file PATH (or --api-key, "
                         "OMNI_API_KEY)", host=settings.host)
 
-        start = loop.create_task(pipeline.start())
+        start = loop.create_task(_start_all(pipelines))
         first_signal = loop.create_task(signals.get())
         await asyncio.wait({start, first_signal}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # a signal while starting: give up starting, clean up
@@ -165,51 +189,79 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
                 await start
             signal_while_starting = True
     except BaseException:
-        await _shutdown(server, uv_task, sock, pipeline, loop)
+        await _shutdown(server, uv_task, sock, pipelines, loop)
         raise
     if signal_while_starting:
-        await _shutdown(server, uv_task, sock, pipeline, loop)
+        await _shutdown(server, uv_task, sock, pipelines, loop)
         return 0
     try:
         first_signal.cancel()
         start.result()  # StartupError → the CLI prints it
         for name, factory in factories:
-            routes = api_routes(name, factory, ApiContext(name, pipeline, settings, dict(pipeline.config.serve.options.get(name, {})), state))
+            # One call per API: with the context of the first pipeline it serves; the others
+            # are its ApiContext.peers() (an API picks one by the request's model).
+            first = next(s for s in states if name in s.apis)
+            routes = api_routes(name, factory, ApiContext(name, first.pipeline, settings,
+                                                          dict(first.pipeline.config.serve.options.get(name, {})), first))
             app.starlette.router.routes.extend(routes)
-        state.started = True
-        log.info("ready", url=url, pipeline=pipeline.config.name)
+        for s in states:
+            s.started = True
+        log.info("ready", url=url, pipelines=list(group))
 
         next_signal = loop.create_task(signals.get())
-        failed = loop.create_task(pipeline_failed(state))
-        await asyncio.wait({next_signal, failed}, return_when=asyncio.FIRST_COMPLETED)
+        watches = {loop.create_task(pipeline_failed(s)): s for s in states}
+        await asyncio.wait({next_signal, *watches}, return_when=asyncio.FIRST_COMPLETED)
         if not next_signal.done():
             next_signal.cancel()
-            status = await _fail(state, loop, log)
+            broken = next(s for task, s in watches.items() if task.done())
+            for task in watches:
+                task.cancel()
+            status = await _fail(broken, loop, log)
             return status
-        failed.cancel()
+        for task in watches:
+            task.cancel()
         sig = next_signal.result()
-        state.draining = True
-        log.warning("draining", signal=signal.Signals(sig).name, in_flight=len(state.active),
+        for s in states:
+            s.draining = True
+        log.warning("draining", signal=signal.Signals(sig).name, in_flight=sum(len(s.active) for s in states),
                     drain_timeout=settings.drain_timeout)
-        idle = loop.create_task(state.idle.wait())
+        idle = loop.create_task(_all_idle(states))
         again = loop.create_task(signals.get())
         done, _ = await asyncio.wait({idle, again}, timeout=settings.drain_timeout, return_when=asyncio.FIRST_COMPLETED)
         idle.cancel()
         again.cancel()
-        if not state.idle.is_set():
+        if not all(s.idle.is_set() for s in states):
             why = "second signal" if again in done else f"drain timeout ({settings.drain_timeout:g} s)"
-            aborted = await state.abort_all()
+            aborted = sum([await s.abort_all() for s in states])
             log.warning("aborted requests still in flight", reason=why, aborted=aborted)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(state.idle.wait(), 5.0)
+                await asyncio.wait_for(_all_idle(states), 5.0)
     finally:
-        await _shutdown(server, uv_task, sock, pipeline, loop)
-        left = leftovers(pipeline)
+        await _shutdown(server, uv_task, sock, pipelines, loop)
+        left = [item for p in pipelines for item in leftovers(p)]
         if left:
             log.error("could not clean up", left=left)
             status = status or 1
-        log.info("stopped", pipeline=pipeline.config.name, status=status)
+        log.info("stopped", pipelines=list(group), status=status)
     return status
+
+
+def _ordinal(i: int) -> str:
+    return {0: "first", 1: "second", 2: "third"}.get(i, f"{i + 1}th")
+
+
+async def _start_all(pipelines: list[Any]) -> None:
+    """Start every pipeline at once; the first failure is raised once all have tried (a signal
+    cancels them all)."""
+    results = await asyncio.gather(*(p.start() for p in pipelines), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _all_idle(states: list[ServeState]) -> None:
+    for s in states:
+        await s.idle.wait()
 
 
 async def pipeline_failed(state: ServeState) -> None:
@@ -223,20 +275,28 @@ async def pipeline_failed(state: ServeState) -> None:
 
 
 async def _fail(state: ServeState, loop: Any, log: Any) -> int:
-    """The pipeline cannot go on: fail what is in flight, then exit non-zero."""
-    log.error("pipeline stopped: exiting", reason=state.failed, in_flight=len(state.active),
+    """A pipeline cannot go on: fail what is in flight (in every pipeline of the server), then
+    exit non-zero."""
+    states = list(state.group.values())
+    log.error("pipeline stopped: exiting", pipeline=state.name, reason=state.failed,
+              in_flight=sum(len(s.active) for s in states),
               restart_policy=state.pipeline.config.restart.policy, exit_status=PIPELINE_FAILED_EXIT)
+    for s in states:  # the others refuse new work from now on, saying why
+        if s is not state and s.failed is None:
+            s.failed = f"pipeline {state.name!r} of this server stopped: {state.failed}"
     # FAILED_GRACE seconds in any case: the failed requests' answers go out, and probes and the
     # console's push channel see why before the server is gone.
     grace = loop.create_task(asyncio.sleep(FAILED_GRACE))
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(state.idle.wait(), FAILED_GRACE)
-    if not state.idle.is_set():
-        await state.abort_all()
+        await asyncio.wait_for(_all_idle(states), FAILED_GRACE)
+    if not all(s.idle.is_set() for s in states):
+        for s in states:
+            await s.abort_all()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(state.idle.wait(), FAILED_GRACE)
+            await asyncio.wait_for(_all_idle(states), FAILED_GRACE)
     await grace
-    state.draining = True
+    for s in states:
+        s.draining = True
     return PIPELINE_FAILED_EXIT
 
 
@@ -262,9 +322,9 @@ def check_tls(settings: ServeSettings) -> dict[str, Any]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
-async def _shutdown(server: Any, uv_task: asyncio.Task, sock: socket.socket, pipeline: Any, loop: Any) -> None:
+async def _shutdown(server: Any, uv_task: asyncio.Task, sock: socket.socket, pipelines: list[Any], loop: Any) -> None:
     """Close the HTTP side (open connections get CLOSE_CONNECTIONS_TIMEOUT), then stop the
-    pipeline and restore the signal handlers."""
+    pipelines and restore the signal handlers."""
     server.should_exit = True
     with contextlib.suppress(BaseException):
         await asyncio.wait_for(asyncio.shield(uv_task), CLOSE_CONNECTIONS_TIMEOUT + 2)
@@ -274,7 +334,7 @@ async def _shutdown(server: Any, uv_task: asyncio.Task, sock: socket.socket, pip
             await uv_task
     with contextlib.suppress(OSError):
         sock.close()
-    await pipeline.stop()
+    await asyncio.gather(*(p.stop() for p in pipelines), return_exceptions=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
 

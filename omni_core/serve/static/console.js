@@ -297,7 +297,7 @@ function renderRecent(recent) {
 }
 
 function connect() {
-  const source = new EventSource("/console/events");
+  const source = new EventSource("/console/events" + location.search);
   source.addEventListener("topology", (ev) => onTopology(JSON.parse(ev.data)));
   source.addEventListener("state", (ev) => { $("connection").textContent = ""; onState(JSON.parse(ev.data)); });
   source.onerror = () => { $("connection").textContent = "reconnecting…"; };
@@ -414,7 +414,7 @@ async function sendRequest() {
   const audio = new AudioSink();
   const began = performance.now();
   try {
-    const response = await fetch("/console/requests", { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ input }) });
+    const response = await fetch("/console/requests" + location.search, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ input }) });
     if (!response.ok) {
       out.appendChild(el("div", { class: "error", "data-testid": "playground-error" }, await errorText(response)));
       status.textContent = "failed";
