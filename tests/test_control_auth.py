@@ -55,7 +55,7 @@ def test_forged_result_abort_and_shutdown_are_refused_and_the_pipeline_serves_on
                 late = asyncio.ensure_future(p.submit({"sleep": 30}, request_id="late"))
                 await until(lambda: len(p.requests) == 1, "admitted")
                 rid = next(iter(p.requests))
-                to_caller.send(wire.seal(p.runner.secret, wire.encode(
+                to_caller.send(wire.seal(p.launch.secret, wire.encode(
                     wire.Data("result", rid, "late", "b", "b", skeleton))))
                 assert await asyncio.wait_for(late, 30) == {"x": "forged"}
             finally:

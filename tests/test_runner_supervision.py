@@ -24,7 +24,8 @@ from omni_core.plan.topology import build_plan
 from omni_core.plugins import load_plugins
 from omni_core.runtime import wire
 from omni_core.runtime.lifecycle import Lifecycle
-from omni_core.runtime.runner import RUNTIME_DIR_PREFIX, START_FAILURE_GRACE, Runner
+from omni_core.runtime.launch import RUNTIME_DIR_PREFIX
+from omni_core.runtime.runner import START_FAILURE_GRACE, Runner
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -238,11 +239,11 @@ class Rig:
 
     @property
     def state(self) -> str:
-        return self.runner.state
+        return self.lifecycle.state
 
     def proc(self, name: str) -> FakeProcess:
         """The current generation of process ``name``."""
-        handle = self.runner.handles[name]
+        handle = self.lifecycle.handles[name]
         assert isinstance(handle, FakeProcess)
         return handle
 
@@ -252,7 +253,7 @@ class Rig:
     async def launch(self) -> asyncio.Task:
         """Start the runner; return its start task once every process was launched."""
         self._start = asyncio.ensure_future(self.runner.start(self.plan))
-        await until(lambda: len(self.runner.handles) == len(self.names) or self._start.done(),
+        await until(lambda: len(self.lifecycle.handles) == len(self.names) or self._start.done(),
                     "every process launched")
         return self._start
 
@@ -323,7 +324,7 @@ def rig(registry, tmp_path):
             r.endpoint.close()
     assert not [e for e in os.listdir(tmp_path) if e.startswith(RUNTIME_DIR_PREFIX)], "a runtime dir was left"
     for r in made:
-        assert r.runner.runtime_dir is None or not os.path.exists(r.runner.runtime_dir)
+        assert r.runner.launch.runtime_dir is None or not os.path.exists(r.runner.launch.runtime_dir)
     assert _fds() <= before, "file descriptors leaked"
 
 
@@ -363,7 +364,7 @@ def test_start_reaches_running_once_every_process_is_ready(rig):
         assert r.runner.process_states() == {"a": {"state": "running", "restarts": 0},
                                              "b": {"state": "running", "restarts": 0}}
         assert r.endpoint.listening
-        assert os.path.isdir(r.runner.runtime_dir)
+        assert os.path.isdir(r.runner.launch.runtime_dir)
         assert [p.boot.generation for p in r.world.started] == [0, 0]
         await r.runner.stop()
 
@@ -393,7 +394,7 @@ def test_start_failed_raises_startup_error_naming_stage_and_path_and_tears_every
     a = r.world.of("a")[0]
     assert a.terminated == 1 and a.exitcode is not None  # not ready: ended at once
     assert r.endpoint.closed and r.world.launchers[0].closed == 1
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
     assert not r.requests.calls
 
 
@@ -413,7 +414,7 @@ def test_a_process_dying_while_starting_fails_the_start(rig):
     a = r.world.of("a")[0]
     assert r.endpoint.of_type(wire.Shutdown, "a"), "a ready process is asked to shut down"
     assert a.exitcode == 0 and a.terminated == 0 and a.killed == 0
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_a_process_not_ready_within_the_startup_timeout_fails_the_start_naming_it(rig):
@@ -430,7 +431,7 @@ def test_a_process_not_ready_within_the_startup_timeout_fails_the_start_naming_i
     run(r, body)
     assert r.state == "stopped"
     assert r.world.of("b")[0].terminated == 1
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_several_processes_failing_together_give_one_error_listing_them(rig):
@@ -580,13 +581,13 @@ def test_reaching_the_restart_limit_stops_the_pipeline_after_draining(rig):
     run(r, body)
     assert r.lifecycle.history == ["starting", "running", "restarting", "running", "stopping", "stopped"]
     assert r.launches("b") == 2 and r.runner.restarts == 1
-    reason = r.runner.closed_reason
+    reason = r.lifecycle.closed_reason
     assert isinstance(reason, ProcessDied) and reason.process == "b" and reason.exitcode == 1
     kinds = [c[0] for c in r.requests.calls]
     assert kinds == ["fail_where", "fail_where", "drain", "abort_all"]
     assert r.requests.calls[-1][1] is reason
     assert r.endpoint.of_type(wire.Shutdown, "a") and not r.endpoint.of_type(wire.Shutdown, "b")
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_policy_never_stops_the_pipeline_at_the_first_death(rig):
@@ -604,8 +605,8 @@ def test_policy_never_stops_the_pipeline_at_the_first_death(rig):
     assert r.launches("a") == 1 and r.runner.restarts == 0
     assert [c[0] for c in r.requests.calls] == ["fail_where", "drain", "abort_all"]
     assert r.requests.calls[0][1] == {"a"}
-    assert isinstance(r.runner.closed_reason, ProcessDied)
-    assert r.requests.calls[-1][1] is r.runner.closed_reason
+    assert isinstance(r.lifecycle.closed_reason, ProcessDied)
+    assert r.requests.calls[-1][1] is r.lifecycle.closed_reason
 
 
 def test_max_restarts_zero_stops_at_the_first_death(rig):
@@ -618,7 +619,7 @@ def test_max_restarts_zero_stops_at_the_first_death(rig):
 
     run(r, body)
     assert r.launches("a") == 1 and "restarting" not in r.lifecycle.history
-    assert isinstance(r.runner.closed_reason, ProcessDied)
+    assert isinstance(r.lifecycle.closed_reason, ProcessDied)
 
 
 def test_a_relaunched_process_dying_before_ready_makes_the_restart_go_round_again(rig):
@@ -677,7 +678,7 @@ def test_a_restart_that_keeps_failing_stops_the_pipeline_at_the_limit(rig):
 
     run(r, body)
     assert r.launches("a") == 3 and r.runner.restarts == 2
-    assert isinstance(r.runner.closed_reason, StartupError)
+    assert isinstance(r.lifecycle.closed_reason, StartupError)
     assert [c[0] for c in r.requests.calls] == ["fail_where", "drain", "abort_all"]
 
 
@@ -706,7 +707,7 @@ def test_a_process_that_stops_sending_heartbeats_is_killed_and_its_requests_fail
     error = call[2](SimpleNamespace(request_id="req-1"))
     assert isinstance(error, ProcessHung) and error.process == "b" and error.pid == b.pid
     assert error.silent_for > 0.3 and "hung" in str(error)
-    assert isinstance(r.runner.closed_reason, ProcessHung)
+    assert isinstance(r.lifecycle.closed_reason, ProcessHung)
 
 
 def test_heartbeats_of_an_older_generation_are_ignored(rig):
@@ -773,9 +774,9 @@ def test_stop_shuts_every_process_down_and_joins_the_ones_that_say_bye(rig):
         assert proc.exitcode == 0 and proc.joined >= 1
         assert proc.terminated == 0 and proc.killed == 0
     assert [c[0] for c in r.requests.calls] == ["drain", "abort_all"]
-    assert r.requests.calls[-1][1] is None and r.runner.closed_reason is None
+    assert r.requests.calls[-1][1] is None and r.lifecycle.closed_reason is None
     assert r.endpoint.closed and r.world.launchers[0].closed == 1
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_stop_terminates_then_kills_processes_that_ignore_shutdown_within_the_stop_timeout(rig):
@@ -795,7 +796,7 @@ def test_stop_terminates_then_kills_processes_that_ignore_shutdown_within_the_st
     assert (a.exitcode, a.terminated, a.killed) == (0, 0, 0)
     assert (b.exitcode, b.terminated, b.killed) == (-15, 1, 0)
     assert (c.exitcode, c.terminated, c.killed) == (-9, 1, 1)
-    assert r.state == "stopped" and not os.path.exists(r.runner.runtime_dir)
+    assert r.state == "stopped" and not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_a_death_while_stopping_is_expected_no_request_fails_and_nothing_restarts(rig):
@@ -810,7 +811,7 @@ def test_a_death_while_stopping_is_expected_no_request_fails_and_nothing_restart
     assert r.world.of("b")[0].exitcode == 1
     assert not r.requests.named("fail_where")
     assert r.launches("a") == r.launches("b") == 1 and r.runner.restarts == 0
-    assert r.runner.closed_reason is None
+    assert r.lifecycle.closed_reason is None
     assert r.lifecycle.history == ["starting", "running", "stopping", "stopped"]
 
 
@@ -870,7 +871,7 @@ def test_stop_while_a_group_restarts_cancels_the_restart_and_ends_every_process(
     run(r, body)
     assert r.lifecycle.history == ["starting", "running", "restarting", "stopping", "stopped"]
     assert r.launches("b") == 2
-    assert not os.path.exists(r.runner.runtime_dir)
+    assert not os.path.exists(r.runner.launch.runtime_dir)
 
 
 def test_debug_state_gathers_the_state_reports_of_the_live_processes(rig):

@@ -24,9 +24,10 @@ from ..plugins import get_registry
 from ..registry import Registry
 from .coordinator import Coordinator
 from .endpoint import Endpoint
+from .launch import RUNTIME_DIR_PREFIX, Launch, sweep_stale_runtime_dirs
 from .lifecycle import Lifecycle
 from .requests import Event
-from .runner import RUNTIME_DIR_PREFIX, Runner, sweep_stale_runtime_dirs
+from .runner import Runner
 
 __all__ = ["RUNTIME_DIR_PREFIX", "Pipeline", "run", "sweep_stale_runtime_dirs"]
 
@@ -48,7 +49,8 @@ class Pipeline:
         self.lifecycle = Lifecycle(self.config.name)
         self.endpoint = Endpoint(self.config, self.registry, process="coordinator", origin="")
         self.coordinator = Coordinator(self.config, self.registry, self.endpoint, self.lifecycle)
-        self.runner = Runner(self.config, self.registry, self.endpoint, self.lifecycle, self.coordinator)
+        self.launch = Launch(self.config, self.registry)
+        self.runner = Runner(self.config, self.registry, self.endpoint, self.lifecycle, self.coordinator, self.launch)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -62,7 +64,7 @@ class Pipeline:
     async def start(self) -> None:
         """Start every process and wait until all are ready; ``StartupError`` otherwise (after
         cleaning up everything that was started)."""
-        if self.runner.state == "new":
+        if self.lifecycle.state == "new":
             issues = stage_arg_check_issues(self.config, self.registry)  # before any process starts
             if issues:
                 raise ConfigError(issues)
@@ -70,7 +72,7 @@ class Pipeline:
             self.coordinator.bind(self.plan)
         assert self.plan is not None  # planned above, by this call or the first one
         await self.runner.start(self.plan)
-        self.plan = self.runner.plan  # as launched: a multi-node launcher marks the edges that cross nodes
+        self.plan = self.launch.plan  # as launched: a multi-node launcher marks the edges that cross nodes
 
     async def stop(self, *, timeout: float | None = None) -> None:
         """Drain requests in flight, then shut every process down and free everything, all
@@ -90,11 +92,11 @@ class Pipeline:
 
     @property
     def run_id(self) -> str:
-        return self.runner.run_id
+        return self.launch.run_id
 
     @property
     def runtime_dir(self) -> str | None:
-        return self.runner.runtime_dir
+        return self.launch.runtime_dir
 
     @property
     def addresses(self) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""The runner (parent process): runtime dir, launch, readiness, supervision, teardown.
+"""The runner (parent process): the run's supervisor: readiness, exits, restarts, heartbeats,
+stop. What a run is made of (runtime dir, launcher, placement, boot specs) is its
+:class:`~.launch.Launch`'s.
 
 Supervision is an explicit state machine::
 
@@ -18,31 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
-
-from ..config import PipelineConfig, to_dict
-from ..contracts import Launcher, ProcessHandle, launcher_class
+from ..config import PipelineConfig
+from ..contracts import ProcessHandle
 from ..errors import PipelineClosed, ProcessDied, ProcessHung, StartupError
 from ..logs import get_logger
-from ..plan.topology import OBJECT_RELAY, Plan, endpoints
+from ..plan.topology import Plan
 from ..registry import Registry
 from . import wire
 from .endpoint import Endpoint
+from .launch import Launch
 from .lifecycle import STATES, Lifecycle
-from .types import CALLER_RELAY, Bootstrap
 
-__all__ = ["RUNTIME_DIR_PREFIX", "STATES", "Requests", "Runner", "signal_name", "sweep_stale_runtime_dirs"]
-
-RUNTIME_DIR_PREFIX = "omni-run-"
+__all__ = ["STATES", "Requests", "Runner", "signal_name"]
 
 #: Seconds a failed start waits for more failures (several processes failing at once are all
 #: reported) and a process that died while starting waits for the StartFailed it may have sent.
@@ -64,27 +59,6 @@ def _failure(fut: asyncio.Future) -> StartupError | None:
     if exc is None or isinstance(exc, StartupError):
         return exc
     return StartupError(f"{type(exc).__name__}: {exc}")
-
-
-def sweep_stale_runtime_dirs(base: str | None = None, *, dry_run: bool = False) -> list[str]:
-    """Remove runtime directories of runs whose parent process is gone (after a SIGKILL).
-    ``dry_run``: only list them."""
-    base = base or tempfile.gettempdir()
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(base):
-            if not entry.name.startswith(RUNTIME_DIR_PREFIX) or not entry.is_dir():
-                continue
-            try:
-                pid = int(entry.name[len(RUNTIME_DIR_PREFIX):].split("-")[0])
-                os.kill(pid, 0)
-            except (ValueError, PermissionError):
-                continue
-            except ProcessLookupError:
-                if not dry_run:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
-    return removed
 
 
 class Requests(Protocol):
@@ -120,18 +94,15 @@ class Runner:
     _loop: asyncio.AbstractEventLoop
 
     def __init__(self, config: PipelineConfig, registry: Registry, endpoint: Endpoint, lifecycle: Lifecycle,
-                 requests: Requests):
+                 requests: Requests, launch: Launch | None = None):
         self.config = config
-        self.registry = registry
         self.endpoint = endpoint
         self.lifecycle = lifecycle
         self.requests = requests
+        #: The run's set-up: its boot specs, launcher, runtime dir (made by :meth:`start`).
+        self.launch = Launch(config, registry) if launch is None else launch
+        self.boots = self.launch.boots
         self.log = get_logger(pipeline=config.name)
-        self.plan: Plan | None = None
-        self.run_id = ""
-        self.secret = b""
-        self.runtime_dir: str | None = None
-        self.boots: dict[str, Bootstrap] = {}
         self.restarts = 0
         self._ready: dict[str, asyncio.Future] = {}
         self._byes: dict[str, asyncio.Future] = {}
@@ -143,7 +114,6 @@ class Runner:
         self._stop_task: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
         self._reports: dict[int, tuple[asyncio.Future, dict[str, dict[str, int]], set[str]]] = {}
-        self.launcher: Launcher | None = None
         endpoint.on(wire.Heartbeat, self._on_heartbeat)
         endpoint.on(wire.Ready, self._on_ready)
         endpoint.on(wire.StartFailed, self._on_start_failed)
@@ -152,29 +122,6 @@ class Runner:
 
     # -- state ------------------------------------------------------------------------------------
 
-    @property
-    def state(self) -> str:
-        return self.lifecycle.state
-
-    @property
-    def closed_reason(self) -> BaseException | None:
-        return self.lifecycle.closed_reason
-
-    @property
-    def handles(self) -> dict[str, ProcessHandle]:
-        return self.lifecycle.handles
-
-    @property
-    def addresses(self) -> dict[str, str]:
-        """Every process's address as the caller reaches it (``""``: the caller's own)."""
-        return self.endpoint.addresses
-
-    def _set_state(self, state: str) -> None:
-        self.lifecycle.set(state)
-
-    def live(self, name: str) -> bool:
-        return self.lifecycle.live(name)
-
     def process_states(self) -> dict[str, dict[str, Any]]:
         """Process name → its supervision state and restarts: ``state`` is ``starting``,
         ``running``, ``restarting`` (its group is being restarted), ``dead`` (it died and will
@@ -182,13 +129,13 @@ class Runner:
         restarting = {n for leader in self._restarting for n in self.group_of(leader)}
         out = {}
         for name, boot in self.boots.items():
-            handle = self.handles.get(name)
+            handle = self.lifecycle.handles.get(name)
             alive = handle is not None and handle.exitcode is None
             if name in restarting:
                 state = "restarting"
             elif name in self._dead:
                 state = "dead"
-            elif self.state in ("stopping", "stopped"):
+            elif self.lifecycle.state in ("stopping", "stopped"):
                 state = "stopping" if alive else "stopped"
             elif not alive:
                 state = "dead" if handle is not None else "starting"
@@ -202,9 +149,9 @@ class Runner:
     async def start(self, plan: Plan) -> None:
         """Start every process and wait until all are ready; ``StartupError`` otherwise (after
         cleaning up everything that was started)."""
-        if self.state != "new":
+        if self.lifecycle.state != "new":
             raise PipelineClosed(f"pipeline {self.config.name!r} was already started")
-        self._set_state("starting")
+        self.lifecycle.set("starting")
         self._loop = asyncio.get_running_loop()
         began = time.monotonic()
         self.log.info("pipeline starting", processes=len(plan.processes), stages=len(self.config.stages),
@@ -219,77 +166,31 @@ class Runner:
             self.log.info("pipeline stopping", reason=reason.splitlines()[0])
             stopping = time.monotonic()
             await self._teardown(stopping + self.config.limits.stop_timeout, failed_start=True)
-            self._set_state("stopped")
+            self.lifecycle.set("stopped")
             self.log.info("pipeline stopped", stop_time_s=round(time.monotonic() - stopping, 3))
             raise
-        self._set_state("running")
-        self.log.info("pipeline ready", processes=len(self.handles), start_time_s=round(time.monotonic() - began, 3))
+        self.lifecycle.set("running")
+        self.log.info("pipeline ready", processes=len(self.lifecycle.handles), start_time_s=round(time.monotonic() - began, 3))
         self._monitor = self._loop.create_task(self._watch_heartbeats())
 
     async def _start(self, plan: Plan) -> None:
-        cfg = self.config
-        self.plan = plan
-        base = cfg.endpoints.ipc_dir or tempfile.gettempdir()
-        sweep_stale_runtime_dirs(base)
-        for relay_name in {e.relay for e in plan.edges if e.relay != OBJECT_RELAY} | {CALLER_RELAY}:
-            with contextlib.suppress(Exception):
-                self.registry.resolve("relay", relay_name).sweep(None)
-        self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.secret = secrets.token_bytes(32)  # the control plane's MAC key (runtime.wire)
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-", dir=base)
-        os.chmod(self.runtime_dir, 0o700)
-        launcher_cls = launcher_class(self.registry.resolve("launcher", cfg.launcher.name), cfg.launcher.name)
-        self.launcher = launcher_cls(dict(cfg.launcher.options))
-        plan, views = self._place(plan)
-        self.plan = plan
-        self.endpoint.open(run_id=self.run_id, runtime_dir=self.runtime_dir, addresses=views[""], secret=self.secret)
+        launch = self.launch
+        addresses = launch.prepare(plan)
+        self.endpoint.open(run_id=launch.run_id, runtime_dir=launch.runtime_dir or "", addresses=addresses,
+                           secret=launch.secret)
         self.endpoint.listen()
-        routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
-        edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
-        config_data = to_dict(cfg)
-        for spec in plan.processes:
-            self.boots[spec.name] = Bootstrap(
-                run_id=self.run_id,
-                runtime_dir=self.runtime_dir,
-                config=config_data,
-                process=spec,
-                addresses=views[spec.name],
-                routes=routes,
-                edge_relays=edge_relays,
-                env=spec.environment(os.environ),
-                parent_pid=os.getpid(),
-                followers=tuple(plan.followers(spec.name)),
-                cwd=os.getcwd(),
-                secret=self.secret,
-            )
-        for edge in plan.edges:
-            self.log.info("edge", src=edge.src, dst=edge.dst, kind=edge.kind, relay=edge.relay)
-        deadline = time.monotonic() + cfg.limits.startup_timeout
+        deadline = time.monotonic() + self.config.limits.startup_timeout
         for name in self.boots:
             self._launch(name)
         await self._wait_ready(list(self.boots), deadline)
-
-    def _place(self, plan: Plan) -> tuple[Plan, dict[str, dict[str, str]]]:
-        """The plan as launched, and the address map of the coordinator (``""``) and of each
-        process. ipc for all with a launcher that runs everything on this machine; a launcher
-        with ``prepare`` (one that spans machines) places the processes, binds tcp inboxes where
-        a sender is on another node, and returns the plan with the edges that cross nodes marked
-        (their relays chosen for it) plus each process's view."""
-        assert self.launcher is not None and self.runtime_dir is not None  # made by _start
-        placed = self.launcher.prepare(plan, self.run_id, self.runtime_dir, self.config.endpoints)
-        if placed is not None:
-            return placed
-        addresses = dict(endpoints(plan, self.runtime_dir))
-        return plan, dict.fromkeys(["", *(p.name for p in plan.processes)], addresses)
 
     def _launch(self, name: str) -> None:
         self._ready[name] = self._loop.create_future()
         self._heard.pop(name, None)
         self._hung.pop(name, None)
         self._dead.discard(name)
-        assert self.launcher is not None  # made by _start
-        handle = self.launcher.start(self.boots[name])
-        self.handles[name] = handle
+        handle = self.launch.start(name)
+        self.lifecycle.handles[name] = handle
         self._loop.add_reader(handle.sentinel, self._on_exit, name, handle)
         self.log.info("process started", process=name, pid=handle.pid, stages=list(self.boots[name].process.stages),
                       device=self.boots[name].process.device, generation=self.boots[name].generation)
@@ -360,7 +261,7 @@ class Runner:
     async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
         """Per-request state every live process holds (table → entries)."""
         token = secrets.randbits(31)
-        names = {n for n in self.handles if self.live(n)}
+        names = {n for n in self.lifecycle.handles if self.lifecycle.live(n)}
         fut = self._loop.create_future()
         reports: dict[str, dict[str, int]] = {}
         self._reports[token] = (fut, reports, set(names))
@@ -377,15 +278,15 @@ class Runner:
     def group_of(self, name: str) -> list[str]:
         """The processes restarted together with ``name``: its TP group (every rank of the
         replica), or the process alone."""
-        assert self.plan is not None  # set by start
+        assert self.launch.plan is not None  # set by start
         leader = self.boots[name].process.leader or name
-        return [leader, *self.plan.followers(leader)]
+        return [leader, *self.launch.plan.followers(leader)]
 
     def _on_exit(self, name: str, handle: ProcessHandle) -> None:
         with contextlib.suppress(Exception):
             self._loop.remove_reader(handle.sentinel)
         handle.join(0.1)
-        if self.handles.get(name) is not handle:
+        if self.lifecycle.handles.get(name) is not handle:
             return  # a process of an earlier generation
         code = handle.exitcode
         reason = handle.describe_exit()  # e.g. Ray's cause and node
@@ -406,7 +307,7 @@ class Runner:
         bye = self._byes.get(name)
         if bye is not None and not bye.done():  # gone without a Bye: nothing more to wait for
             bye.set_result(None)
-        if self.state in ("stopping", "stopped", "new", "starting"):
+        if self.lifecycle.state in ("stopping", "stopped", "new", "starting"):
             return  # expected (stopping), or handled by the start (starting)
         silent = self._hung.pop(name, None)
         self._dead.add(name)
@@ -430,7 +331,7 @@ class Runner:
         policy = self.config.restart
         if policy.policy == "on-failure" and self.restarts < policy.max_restarts:
             self.restarts += 1
-            self._set_state("restarting")
+            self.lifecycle.set("restarting")
             self._restarting[leader] = self._loop.create_task(self._restart(leader, group))
         else:
             self.lifecycle.closed_reason = error(None)
@@ -446,16 +347,15 @@ class Runner:
                     await self._kill(group)
                     floor, ended = self.requests.ended()
                     for name in group:
-                        boot = self.boots[name]
-                        self.boots[name] = attrs.evolve(boot, generation=boot.generation + 1, floor=floor, ended=ended)
+                        self.launch.next_generation(name, floor, ended)
                         self._launch(name)
                     await self._wait_ready(group, time.monotonic() + self.config.limits.startup_timeout)
-                    if leader not in self._again and all(self.live(n) for n in group):
+                    if leader not in self._again and all(self.lifecycle.live(n) for n in group):
                         break
                     self._again.discard(leader)
                     raise StartupError(f"a process of group {group} died while the group restarted")
                 except Exception as exc:
-                    if self.state in ("stopping", "stopped"):
+                    if self.lifecycle.state in ("stopping", "stopped"):
                         return
                     policy = self.config.restart
                     if self.restarts >= policy.max_restarts:
@@ -465,24 +365,24 @@ class Runner:
                         return
                     self.restarts += 1
             for name in group:
-                self.log.info("process group restarted", process=name, pid=self.handles[name].pid)
+                self.log.info("process group restarted", process=name, pid=self.lifecycle.handles[name].pid)
         finally:
             self._again.discard(leader)
             self._restarting.pop(leader, None)
-            if not self._restarting and self.state == "restarting":
-                self._set_state("running")
+            if not self._restarting and self.lifecycle.state == "restarting":
+                self.lifecycle.set("running")
 
     async def _kill(self, names: list[str]) -> None:
         """Kill the live processes among ``names`` and wait until they are gone."""
         for name in names:
-            handle = self.handles.get(name)
+            handle = self.lifecycle.handles.get(name)
             if handle is not None:
                 with contextlib.suppress(Exception):
                     self._loop.remove_reader(handle.sentinel)
                 if handle.exitcode is None:
                     handle.kill()
         for name in names:
-            handle = self.handles.get(name)
+            handle = self.lifecycle.handles.get(name)
             if handle is not None:
                 await self._join(handle, 5.0)
 
@@ -490,7 +390,7 @@ class Runner:
         limits = self.config.limits
         interval, timeout = limits.heartbeat_interval, limits.heartbeat_timeout
         last = time.monotonic()
-        while self.state in ("running", "restarting"):
+        while self.lifecycle.state in ("running", "restarting"):
             await asyncio.sleep(interval)
             now = time.monotonic()
             late, last = now - last - interval, now
@@ -498,19 +398,19 @@ class Runner:
                 continue  # this loop was busy: heartbeats may be waiting in the inbox
             for name, heard in list(self._heard.items()):
                 silent = now - heard
-                if silent > timeout and self.live(name) and name not in self._hung:
+                if silent > timeout and self.lifecycle.live(name) and name not in self._hung:
                     self._hung[name] = silent
                     self.log.error("stage process hung: killing it", process=name, silent_for=round(silent, 1))
                     with contextlib.suppress(Exception):
-                        self.handles[name].kill()
+                        self.lifecycle.handles[name].kill()
 
     # -- stop -------------------------------------------------------------------------------------
 
     async def stop(self, timeout: float | None = None) -> None:
         """Drain requests in flight, then shut every process down and free everything, all
         within ``timeout`` (default ``limits.stop_timeout``). Idempotent."""
-        if self.state in ("stopped", "new"):
-            self._set_state("stopped")
+        if self.lifecycle.state in ("stopped", "new"):
+            self.lifecycle.set("stopped")
             return
         self._begin_stop(timeout, reason="stop requested")
         if self._stop_task is not None:
@@ -518,11 +418,11 @@ class Runner:
 
     def _begin_stop(self, timeout: float | None = None, *, reason: str | None = None) -> None:
         """Enter ``stopping`` now (no request is admitted from here on) and stop in a task."""
-        if self.state in ("stopping", "stopped", "new"):
+        if self.lifecycle.state in ("stopping", "stopped", "new"):
             return
-        self._set_state("stopping")
+        self.lifecycle.set("stopping")
         if reason is None:
-            reason = str(self.closed_reason).splitlines()[0] if self.closed_reason is not None else "stop requested"
+            reason = str(self.lifecycle.closed_reason).splitlines()[0] if self.lifecycle.closed_reason is not None else "stop requested"
         self.log.info("pipeline stopping", reason=reason, in_flight=self.requests.in_flight())
         self._stop_task = self._loop.create_task(self._stop(timeout))
 
@@ -535,9 +435,9 @@ class Runner:
         if self._monitor is not None:
             self._monitor.cancel()
         await self.requests.drain(start + total * 0.5)
-        self.requests.abort_all(self.closed_reason)
+        self.requests.abort_all(self.lifecycle.closed_reason)
         await self._teardown(deadline)
-        self._set_state("stopped")
+        self.lifecycle.set("stopped")
         self.log.info("pipeline stopped", stop_time_s=round(time.monotonic() - start, 3))
 
     async def _teardown(self, deadline: float, *, failed_start: bool = False) -> None:
@@ -547,7 +447,7 @@ class Runner:
         they hold nothing a shutdown would free that the relay sweep below does not."""
         start = time.monotonic()
         span = max(0.5, deadline - start)
-        alive = {n: h for n, h in self.handles.items() if h.exitcode is None}
+        alive = {n: h for n, h in self.lifecycle.handles.items() if h.exitcode is None}
         if failed_start:
             for fut in self._ready.values():
                 if not fut.done():
@@ -560,40 +460,27 @@ class Runner:
             self.endpoint.post_all(alive, wire.Shutdown())
             await asyncio.wait(list(self._byes.values()), timeout=span * 0.5)
         join_by = start + span * 0.7
-        for handle in self.handles.values():
+        for handle in self.lifecycle.handles.values():
             await self._join(handle, join_by - time.monotonic())
-        for handle in self.handles.values():
+        for handle in self.lifecycle.handles.values():
             if handle.exitcode is None:
                 handle.terminate()
-        for handle in self.handles.values():
+        for handle in self.lifecycle.handles.values():
             await self._join(handle, start + span * 0.9 - time.monotonic())
-        for handle in self.handles.values():
+        for handle in self.lifecycle.handles.values():
             if handle.exitcode is None:
                 handle.kill()
-        for handle in self.handles.values():
+        for handle in self.lifecycle.handles.values():
             await self._join(handle, max(0.5, start + span - time.monotonic()))
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(handle.sentinel)
-        if self.launcher is not None:
-            with contextlib.suppress(Exception):
-                self.launcher.close()
+        self.launch.close_launcher()
         self.endpoint.close(linger_ms=0)
-        self._sweep_relays()
-        if self.runtime_dir:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.launch.close()
 
     def _is_ready(self, name: str) -> bool:
         fut = self._ready.get(name)
         return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-
-    def _sweep_relays(self) -> None:
-        if not self.plan or not self.run_id:
-            return
-        for relay_name in {e.relay for e in self.plan.edges if e.relay != OBJECT_RELAY}:
-            try:
-                self.registry.resolve("relay", relay_name).sweep(self.run_id)
-            except Exception:
-                self.log.exception("relay sweep failed", relay=relay_name)
 
     async def _join(self, handle: ProcessHandle, timeout: float) -> None:
         """Wait up to ``timeout`` for ``handle``'s process to exit: on its sentinel (readable

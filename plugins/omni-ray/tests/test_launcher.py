@@ -72,7 +72,7 @@ def test_same_node_processes_keep_ipc_and_shm(cluster):
             assert not any(e.crosses_nodes for e in p.plan.edges)
             result = await p.submit({"x": torch.ones(4096)})
             assert torch.equal(result["x"], torch.full((4096,), 8.0))
-            boots = p.runner.boots
+            boots = p.launch.boots
             assert all(a.startswith("ipc://") for a in boots["b"].addresses.values() if a != boots["b"].addresses[""])
             assert boots["b"].addresses[""].startswith("tcp://")  # the coordinator is on the head
 
@@ -132,7 +132,7 @@ def test_a_tp_stage_runs_its_ranks_in_one_placement_group_over_gloo(cluster):
 
     async def body():
         async with Pipeline(cfg) as p:
-            slots = p.runner.launcher.slots
+            slots = p.launch.launcher.slots
             assert slots["t.0"].pg is not None and slots["t.0"].pg is slots["t.1"].pg
             assert slots["t.0"].where["node"] == slots["t.1"].where["node"] == cluster.node_ids["node_b"]
             result = await p.submit({"x": torch.ones(3)})
@@ -202,14 +202,14 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
 
     async def body():
         async with Pipeline(cfg) as p:
-            keys = p.runner.launcher.keys
+            keys = p.launch.launcher.keys
             task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 3}))
             await wait_until_async(lambda: p.requests)
             rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
             skeleton, _ = pack({"x": "forged"})
             forged = [(p.addresses["b"], wire.Shutdown()), (p.addresses["c"], wire.Shutdown()),
                       (p.addresses["b"], wire.Data("work", 99, "evil", "b", "", skeleton)),
-                      (p.runner.launcher.tcp[""], wire.Data("result", rid, request_id, "c", "c", skeleton))]
+                      (p.launch.launcher.tcp[""], wire.Data("result", rid, request_id, "c", "c", skeleton))]
             for server_key in (None, keys.server_public):  # plain tcp; Curve with a key of its own
                 for address, msg in forged:
                     sock, monitor = _attacker(address, server_key)
@@ -235,8 +235,8 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
             insider.setsockopt(zmq.LINGER, 0)
             insider.curve_serverkey, insider.curve_publickey, insider.curve_secretkey = (
                 keys.server_public, keys.client_public, keys.client_secret)
-            insider.connect(p.runner.launcher.tcp[""])
-            insider.send(wire.seal(p.runner.secret, wire.encode(wire.Data("result", rid, request_id, "c", "c", skeleton))))
+            insider.connect(p.launch.launcher.tcp[""])
+            insider.send(wire.seal(p.launch.secret, wire.encode(wire.Data("result", rid, request_id, "c", "c", skeleton))))
             assert (await task) == {"x": "forged"}
             insider.close(0)
 
@@ -261,7 +261,7 @@ async def main():
     p = Pipeline(cfg)
     await p.start()
     await p.submit({"x": torch.ones(1 << 16)})  # shm between b and c on node_a holds a segment
-    print(json.dumps({"pids": p.pids(), "run_id": p.runner.run_id}), flush=True)
+    print(json.dumps({"pids": p.pids(), "run_id": p.launch.run_id}), flush=True)
     await asyncio.Event().wait()
 
 asyncio.run(main())
