@@ -20,6 +20,7 @@ from .audio import MIN_COMMIT_MS, RATE, audio_format, decode_audio, ms_of, to_fl
 from .conversation import Conversation
 from .protocol import ClientError, Incoming, new_id, realtime_options
 from .responses import Response, Responses
+from .transcription import transcribe, transcribers, transcription_setting
 from .vad import VAD_DEFAULTS, VAD_MODELS, Vad, turn_detection
 
 #: The metrics of the realtime API, defined with :func:`omni_core.metrics.define` when it is mounted.
@@ -45,6 +46,8 @@ class Hub:
         self.sessions: set[Session] = set()
         self.store = api.state.meter.store
         self.labels = (api.pipeline_name,)
+        #: The server's ASR pipelines, which a session may transcribe its input audio with.
+        self.transcribers = transcribers(api)
         self._gauge()
 
     def _gauge(self) -> None:
@@ -103,6 +106,7 @@ class Session:
         self.speech_item: str | None = None  # the item id of the speech VAD is hearing
         self.speech_start_ms = 0
         self.config = session_config(self.id, self.api.pipeline_name, self.opts)
+        self.transcriptions: set[asyncio.Task] = set()  # committed turns being transcribed
         self.responses = Responses(self)
         self.conversation = Conversation(self.opts, self.send, lambda: self.response.item if self.response else None)
 
@@ -146,6 +150,11 @@ class Session:
         finally:
             reader.cancel()
             await self.responses.cancel("client_disconnected")
+            for task in list(self.transcriptions):  # their requests are aborted
+                task.cancel()
+            for task in list(self.transcriptions):
+                with contextlib.suppress(BaseException):
+                    await task
             with contextlib.suppress(BaseException):
                 await reader
             if self.vad is not None and not self.vad_busy:  # a model still in a worker thread is dropped
@@ -195,6 +204,9 @@ class Session:
             if not isinstance(audio, Mapping):
                 raise ClientError("session.audio must be an object", "invalid_value", "session.audio")
             self._update_audio(new["audio"], audio.get("input") or {}, audio.get("output") or {})
+        if "input_audio_transcription" in update:  # the beta protocol's place for it
+            new["audio"]["input"]["transcription"] = transcription_setting(
+                update["input_audio_transcription"], self.hub.transcribers, "session.input_audio_transcription")
         if "max_output_tokens" in update:
             new["max_output_tokens"] = protocol.max_tokens(update["max_output_tokens"], "session.max_output_tokens")
         if update.get("tools"):
@@ -208,10 +220,9 @@ class Session:
             new["input"]["format"] = audio_format(inp["format"], "session.audio.input.format")
         if "turn_detection" in inp:
             new["input"]["turn_detection"] = turn_detection(inp["turn_detection"])
-        if inp.get("transcription") is not None:
-            raise ClientError("input audio transcription is not available on this server; set "
-                              "session.audio.input.transcription to null", "unsupported",
-                              "session.audio.input.transcription")
+        if "transcription" in inp:
+            new["input"]["transcription"] = transcription_setting(inp["transcription"], self.hub.transcribers,
+                                                                  "session.audio.input.transcription")
         if "format" in out:
             new["output"]["format"] = audio_format(out["format"], "session.audio.output.format")
         if "voice" in out:
@@ -297,6 +308,11 @@ class Session:
         previous = self.conversation.last_id
         await self.send("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous)
         await self.conversation.add(item, previous)
+        setting = self.config["audio"]["input"]["transcription"]
+        if setting is not None:
+            task = asyncio.create_task(transcribe(self, self.hub.transcribers[setting["model"]], setting, item, pcm))
+            self.transcriptions.add(task)
+            task.add_done_callback(self.transcriptions.discard)
 
     async def on_input_audio_buffer_clear(self, event: Mapping[str, Any]) -> None:
         self.buffer.clear()
@@ -314,12 +330,21 @@ def make_routes(api: Any) -> list[Any]:
     """The API factory registered as ``realtime``: the ``/v1/realtime`` WebSocket."""
     from starlette.routing import WebSocketRoute
 
-    opts = realtime_options(api.options, api.pipeline.config)
-    hub = Hub(api, opts)
+    # Each pipeline the API serves (``omni serve A B``: a connection's ?model= picks one, the
+    # first without it) has its own options and sessions.
+    peers = api.peers() if hasattr(api, "peers") else {api.pipeline_name: api}
+    hubs = {name: Hub(peer, realtime_options(peer.options, peer.pipeline.config)) for name, peer in peers.items()}
     log = get_logger(component="realtime", pipeline=api.pipeline_name)
 
     async def realtime(ws: Any) -> None:
-        refusal = _refusal(ws, api, hub)
+        model = ws.query_params.get("model")
+        hub = hubs.get(model) if model is not None else next(iter(hubs.values()))
+        if hub is None:
+            served = ", ".join(repr(n) for n in hubs)
+            await _refuse(ws, next(iter(hubs.values())),
+                          f"the model {model!r} does not exist; this server serves {served}", "model_not_found", 1008)
+            return
+        refusal = _refusal(ws, hub.api, hub)
         if refusal is not None:
             await _refuse(ws, hub, *refusal)
             return

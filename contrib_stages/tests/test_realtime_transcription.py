@@ -1,0 +1,168 @@
+"""Input audio transcription in realtime sessions, against ``omni serve demo asr.yaml --api
+realtime`` (the demo and a toy ASR pipeline in one server) with the official ``openai`` SDK: each
+committed user turn gets ``conversation.item.input_audio_transcription.delta`` events and a
+``.completed`` whose transcript equals the ASR pipeline's own transcription of the same audio
+(``POST /v1/audio/transcriptions``); a model that is not an ASR pipeline of the server is refused
+naming those that are."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import wave
+from pathlib import Path
+
+import openai
+import pytest
+
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).parent
+SPEECH_WAV = HERE / "data" / "hello_24k.wav"
+
+ASR = """
+name: asr
+stages:
+  - name: asr
+    factory: audio_stages:Transcriber
+    terminal: true
+serve:
+  apis: [openai]
+  options:
+    openai:
+      kind: asr
+      text_joiner: " "
+      audio:
+        text_joiner: " "
+        max_audio_seconds: 30
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rt-asr")
+    (tmp / "asr.yaml").write_text(ASR)
+    srv = ServerProcess("demo", str(tmp / "asr.yaml"), "--api", "realtime", env={"PYTHONPATH": str(HERE)},
+                        cwd=str(tmp), ready_timeout=300)
+    with srv.serving():
+        yield srv
+
+
+def speech() -> bytes:
+    with wave.open(str(SPEECH_WAV)) as w:
+        return w.readframes(w.getnframes())
+
+
+def as_wav(pcm: bytes, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return buf.getvalue()
+
+
+async def events_until(conn, kind: str, timeout: float = 60.0) -> list:
+    events: list = []
+
+    async def read() -> list:
+        async for event in conn:
+            events.append(event)
+            if event.type == kind:
+                return events
+        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
+
+
+def test_each_committed_turn_is_transcribed_by_the_asr_pipeline(server):
+    pcm = speech()
+    turns = [pcm, pcm[: len(pcm) // 4 * 2]]  # the whole speech, then its first half
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+        answers = [sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(t), "audio/wav"))
+                   for t in turns]
+    expected = [a.text for a in answers]
+    assert all(expected) and expected[0] != expected[1]
+
+    async def main() -> list[list]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="demo", max_retries=0) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "asr"}}}})
+            updated = await events_until(conn, "session.updated")
+            assert updated[-1].session.audio.input.transcription.model == "asr"
+            seen = []
+            for turn in turns:
+                for i in range(0, len(turn), 4800):
+                    await conn.input_audio_buffer.append(audio=base64.b64encode(turn[i:i + 4800]).decode())
+                await conn.input_audio_buffer.commit()
+                seen.append(await events_until(conn, "conversation.item.input_audio_transcription.completed"))
+            return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 180))
+    for events, want, answer in zip(seen, expected, answers, strict=True):
+        assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
+        item_id = next(e.item_id for e in events if e.type == "input_audio_buffer.committed")
+        deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+        done = events[-1]
+        assert deltas and all(d.item_id == item_id and d.content_index == 0 for d in deltas)
+        assert done.item_id == item_id and done.content_index == 0
+        assert done.transcript == want == "".join(d.delta for d in deltas)
+        assert done.usage.model_dump() == answer.usage.model_dump()  # the same usage as the route's
+
+
+def test_a_model_that_is_not_an_asr_pipeline_is_refused_naming_those_that_are(server):
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="demo", max_retries=0) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "demo"}}}})
+            return await events_until(conn, "error")
+
+    events = asyncio.run(asyncio.wait_for(main(), 120))
+    error = events[-1].error
+    assert error.param == "session.audio.input.transcription.model"
+    assert "'demo'" in error.message and "'asr'" in error.message
+
+
+def test_a_session_of_the_asr_pipeline_transcribes_with_itself(server):
+    """``?model=asr`` opens a session of the ASR pipeline (the server serves several); the beta
+    protocol's ``input_audio_transcription`` names the session's own pipeline."""
+    pcm = speech()
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+        want = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav")).text
+
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="asr", max_retries=0) as conn:
+            created = await events_until(conn, "session.created")
+            assert created[-1].session.model == "asr"
+            await conn.session.update(session={"type": "realtime", "input_audio_transcription": {"model": "asr"},
+                                               "audio": {"input": {"turn_detection": None}}})
+            await events_until(conn, "session.updated")
+            for i in range(0, len(pcm), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(asyncio.wait_for(main(), 120))
+    assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
+    assert events[-1].transcript == want
+
+
+def test_an_unknown_model_is_refused_naming_the_served_ones(server):
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="nope", max_retries=0) as conn:
+            return await events_until(conn, "error")
+
+    error = asyncio.run(asyncio.wait_for(main(), 60))[-1].error
+    assert error.code == "model_not_found"
+    assert "'demo'" in error.message and "'asr'" in error.message
