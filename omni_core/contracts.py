@@ -4,14 +4,15 @@ cites them):
 - :class:`Register`: the ``register`` callback every ``omni_register_*`` hook receives;
 - :class:`Launcher` and :class:`ProcessHandle`: what a launcher registered with
   ``omni_register_launchers`` is and returns, its optional capabilities explicit (methods with a
-  default that means "not used") rather than probed for;
+  default that means "not used") rather than probed for; :class:`Bootstrap`: what it is handed
+  per process;
 - :class:`ApiFactory`: what an API registered with ``omni_register_apis`` is;
 - relays have theirs in :class:`omni_core.relay.Relay` (an ABC) and
   :class:`omni_core.relay.RelayCapabilities`; stage factories and wiring functions are plain
   callables, described in :mod:`omni_core.hookspecs`.
 
-This module imports nothing of the runtime at run time (only for type checkers), so a plugin can
-subclass :class:`Launcher` without importing torch or zmq.
+This module imports nothing of the runtime (the plan's types only for type checkers), so a
+plugin can subclass :class:`Launcher` without importing torch or zmq.
 """
 
 from __future__ import annotations
@@ -23,12 +24,40 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .capabilities import RelayCapabilities
     from .errors import ConfigIssue
-    from .plan.topology import Plan
-    from .runtime.types import Bootstrap
+    from .plan.topology import Plan, ProcessSpec
+
+import attrs
 
 from .errors import PluginError
 
-__all__ = ["ApiFactory", "Launcher", "ProcessHandle", "Register", "launcher_class"]
+__all__ = ["ApiFactory", "Bootstrap", "Launcher", "ProcessHandle", "Register", "launcher_class"]
+
+
+@attrs.frozen
+class Bootstrap:
+    """Everything a stage process needs, which a :class:`Launcher` is handed and sends it (picklable).
+
+    ``generation`` counts the restarts of the process's group: a restarted TP group meets at a
+    fresh rendezvous. A restarted process starts knowing which requests already ended (``floor``:
+    every request below it; ``ended``: those at or above it), so it drops what its predecessor
+    was sent for them and runs no request whose caller was told it failed."""
+
+    run_id: str
+    runtime_dir: str
+    config: dict[str, Any]
+    process: ProcessSpec
+    addresses: dict[str, str]
+    routes: dict[str, list[str]]
+    edge_relays: dict[tuple[str, str, str], str]
+    env: dict[str, str]
+    parent_pid: int
+    followers: tuple[str, ...] = ()
+    cwd: str | None = None
+    generation: int = 0
+    floor: int = 0
+    ended: tuple[int, ...] = ()
+    #: The run's secret: every control message carries a MAC made with it (runtime.wire).
+    secret: bytes = attrs.field(default=b"", repr=False)
 
 
 class Register(Protocol):

@@ -2,12 +2,11 @@
 run back up the layers. ``python tests/layering.py`` prints both; tests/test_layering.py holds
 them to the budget.
 
-A *circle* is a set of modules that import each other, directly or through others (a strongly
-connected component of more than one module), counting every import at module level, those
-under ``if TYPE_CHECKING:`` included: a circle held by type-only imports is still a circle. An
-*arrow back up* is an import made at run time, at module level or inside a function, from a
-module of a lower layer (``LAYERS``) to one of a higher layer; a type-only import of a higher
-layer's type (a contract naming what it is handed) is not one.
+Both count every import: at module level, inside a function, and those under
+``if TYPE_CHECKING:`` (a dependency a type checker follows is a dependency). A *circle* is a set
+of modules that import each other, directly or through others (a strongly connected component of
+more than one module). An *arrow back up* is an import from a module of a lower layer
+(``LAYERS``) to one of a higher layer.
 """
 
 from __future__ import annotations
@@ -64,21 +63,13 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join(base + ([target] if target else []))
 
 
-def imports(mods: dict[str, Path]) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
-    """(module-level imports, type-only ones included; every import made at run time, those
-    inside functions included) between the modules of ``mods``."""
-    top: set[tuple[str, str]] = set()
+def imports(mods: dict[str, Path]) -> set[tuple[str, str]]:
+    """Every import between the modules of ``mods``: at module level, inside functions, and
+    type-only ones (under ``if TYPE_CHECKING:``)."""
     every: set[tuple[str, str]] = set()
     for module, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
-        in_function: set[int] = set()
-        type_only: set[int] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                in_function.update(id(n) for n in ast.walk(node) if n is not node)
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                type_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -91,11 +82,8 @@ def imports(mods: dict[str, Path]) -> tuple[set[tuple[str, str]], set[tuple[str,
                 while target and target not in mods:  # `import a.b.c` of a name inside a.b
                     target = target.rpartition(".")[0]
                 if target and target != module:
-                    if id(node) not in type_only:
-                        every.add((module, target))
-                    if id(node) not in in_function:
-                        top.add((module, target))
-    return top, every
+                    every.add((module, target))
+    return every
 
 
 def circles(edges: set[tuple[str, str]]) -> list[list[str]]:
@@ -155,9 +143,9 @@ def arrows_up(edges: set[tuple[str, str]]) -> list[tuple[str, str]]:
 
 def main() -> int:
     mods = modules()
-    top, every = imports(mods)
-    found, up = circles(top), arrows_up(every)
-    print(f"{len(mods)} modules, {len(top)} module-level imports")
+    every = imports(mods)
+    found, up = circles(every), arrows_up(every)
+    print(f"{len(mods)} modules, {len(every)} imports")
     print(f"{len(found)} circle(s):")
     for component in found:
         print("   ", " <-> ".join(component))

@@ -9,7 +9,10 @@ from typing import Any
 
 import attrs
 
-from ..plan.topology import ProcessSpec
+from ..contracts import Bootstrap
+
+__all__ = ["ALL_TARGETS", "CALLER_RELAY", "SPLIT_RELAY", "Bootstrap", "Inbound", "StageFunctions", "WiringError",
+           "chosen_names"]
 
 #: Relay used for the caller's edges (inputs to the entry stage, results and events back).
 CALLER_RELAY = "inline"
@@ -45,33 +48,6 @@ def chosen_names(answer: Any, allowed: Sequence[str], what: str, *,
     if not names and not empty_ok:
         raise WiringError(f"{what} returned {answer!r}; expected at least one of {list(allowed)}")
     return list(dict.fromkeys(names))
-
-
-@attrs.frozen
-class Bootstrap:
-    """Everything a stage process needs, sent by the launcher (picklable).
-
-    ``generation`` counts the restarts of the process's group: a restarted TP group meets at a
-    fresh rendezvous. A restarted process starts knowing which requests already ended (``floor``:
-    every request below it; ``ended``: those at or above it), so it drops what its predecessor
-    was sent for them and runs no request whose caller was told it failed."""
-
-    run_id: str
-    runtime_dir: str
-    config: dict[str, Any]
-    process: ProcessSpec
-    addresses: dict[str, str]
-    routes: dict[str, list[str]]
-    edge_relays: dict[tuple[str, str, str], str]
-    env: dict[str, str]
-    parent_pid: int
-    followers: tuple[str, ...] = ()
-    cwd: str | None = None
-    generation: int = 0
-    floor: int = 0
-    ended: tuple[int, ...] = ()
-    #: The run's secret: every control message carries a MAC made with it (runtime.wire).
-    secret: bytes = attrs.field(default=b"", repr=False)
 
 
 class Inbound:
