@@ -35,6 +35,10 @@ def omni_register_stages(register):
              description="Qwen2.5-Omni talker: codec codes from the thinker's live stream", check=check)
     register(f"{PREFIX}.token2wav", f"{_Q}.token2wav:Token2Wav",
              description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)", check=check)
+    register("transformers.qwen3_omni.processor", "omni_transformers.qwen3_omni.processor:Processor",
+             description="Qwen3-Omni inputs (chat messages, text parts) -> input_ids", check=check)
+    register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",
+             description="Qwen3-Omni MoE thinker: text tokens, batched across requests", check=check)
 
 
 @omni_core.hookimpl
@@ -59,9 +63,13 @@ def omni_register_pipelines(register):
              description="qwen2_5_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)")
     register("qwen2_5_omni.split.gpu", "omni_transformers:pipelines/qwen2_5_omni_split_gpu.yaml",
              description="qwen2_5_omni.split placed on the GPUs there are (spread)")
+    register("qwen3_omni", "omni_transformers:pipelines/qwen3_omni.yaml",
+             description="Qwen3-Omni: processor + MoE thinker in one process, text only so far")
 
 
 @omni_core.hookimpl
 def omni_register_families(register):
     register("qwen2_5_omni", "omni_transformers.qwen2_5_omni:FAMILY", model_types=["qwen2_5_omni"],
              pipeline="qwen2_5_omni", description="Qwen2.5-Omni: thinker, talker (one code per frame), DiT + BigVGAN")
+    register("qwen3_omni", "omni_transformers.qwen3_omni:FAMILY", model_types=["qwen3_omni_moe"],
+             pipeline="qwen3_omni", description="Qwen3-Omni: MoE thinker (text only so far); talker and code2wav to come")

@@ -1,0 +1,22 @@
+"""Qwen3-Omni's processor stage: a request's chat messages (or the ``text`` shorthand, or ``input_ids``) as the
+thinker's ``input_ids``, rendered with the checkpoint's chat template. Audio and image parts are refused (an
+``InvalidInput`` naming the part) until the family's encoder stages exist."""
+
+from __future__ import annotations
+
+from omni_core.errors import InvalidInput
+
+from ..qwen2_5_omni.processor import Processor as QwenProcessor
+
+
+class Processor(QwenProcessor):
+    """As the Qwen2.5-Omni processor (same request keys and checks), with no default system prompt (Qwen3-Omni
+    needs none) and text parts only."""
+
+    def __init__(self, model: str | None = None, system_prompt: str | None = None, chat_template: bool = True):
+        super().__init__(model, system_prompt=system_prompt, chat_template=chat_template)
+
+    @property
+    def mm(self):
+        raise InvalidInput("the qwen3_omni pipeline takes text parts only so far: audio and image parts are not "
+                           "served yet; send text", field="messages")
