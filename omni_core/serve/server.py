@@ -1,4 +1,8 @@
-"""Running ``omni serve``: bind, start the pipeline, mount the APIs, serve, drain, stop.
+"""Running ``omni serve``: bind, start the pipeline(s), mount the APIs, serve, drain, stop.
+
+With several pipelines (``omni serve A B``) each has its own :class:`ServeState` (one
+``group`` dict shared by all): they start together, ``/ready`` waits for all, the drain and the
+failure exit below cover all of them.
 
 Order of events:
 
@@ -46,11 +50,6 @@ FAILED_GRACE = 2.0
 
 #: How often the server looks whether its pipeline stopped on its own.
 WATCH_INTERVAL = 0.1
-
-
-def api_names(settings: ServeSettings, config: Any) -> list[str]:
-    """The APIs to mount: the config's ``serve.apis`` then ``--api`` names, each once."""
-    return list(dict.fromkeys([*config.serve.apis, *settings.apis]))
 
 
 def resolve_apis(names: list[str]) -> list[tuple[str, Any]]:
@@ -144,7 +143,6 @@ async def serve(config: Any, settings: ServeSettings, *, announce=None) -> int:
         s.group = group
         s.apis = apis
     state = states[0]
-    pipeline = state.pipeline
     app = build_app(state)
     tls = check_tls(settings)
     sock = bind(settings.host, settings.port)

@@ -31,7 +31,8 @@ response's item is never dropped).
 
 The package's modules: :mod:`.protocol` (client events, options, the values a client sets),
 :mod:`.session` (the connection, ``session.update``, the input audio buffer, the route),
-:mod:`.conversation` (items), :mod:`.responses` (running a response), :mod:`.vad` (server VAD)
+:mod:`.conversation` (items), :mod:`.responses` (running a response), :mod:`.transcription`
+(input audio transcription by an ASR pipeline of the server), :mod:`.vad` (server VAD)
 and :mod:`.audio` (PCM16 and resampling); what the ``openai`` API shares with it is in
 :mod:`omni_contrib_stages.api_common`.
 """
