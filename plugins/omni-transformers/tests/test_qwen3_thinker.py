@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from omni_core.errors import InvalidInput
+from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
 from omni_transformers.qwen3_omni import tiny
 
@@ -111,3 +112,26 @@ def test_the_tiny_command_writes_the_family_checkpoint(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "q3")
     assert json.loads((tmp_path / "q3" / "config.json").read_text())["model_type"] == "qwen3_omni_moe"
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_omni_serve_on_the_checkpoint_folder_answers_the_openai_sdk_text_only(qwen3_tiny, stages, tmp_path):
+    import openai
+    from omni_core.testing.serve import ServerProcess
+
+    processor, thinker = stages
+    prompt = "Hello there, say something."
+    alone = asyncio.run(thinker(processor({"text": prompt, "max_new_tokens": 12}, None), Ctx()))
+    srv = ServerProcess(str(qwen3_tiny), env={"OMNI_TRANSFORMERS_MODEL": ""}, cwd=str(tmp_path), ready_timeout=300)
+    with srv.serving(stop_timeout=120):
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["qwen3_omni"]
+        messages = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model="qwen3_omni", messages=messages, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == alone["text"]
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (alone["prompt_tokens"], 12)
+        stream = client.chat.completions.create(model="qwen3_omni", messages=messages, max_tokens=12, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == alone["text"]
+        with pytest.raises(openai.BadRequestError, match="no audio output"):
+            client.chat.completions.create(model="qwen3_omni", messages=messages, modalities=["text", "audio"],
+                                           audio={"voice": "ethan", "format": "wav"})
