@@ -86,8 +86,13 @@ def test_thinker_tokens_equal_generate_and_16_at_once_equal_alone(qwen3_tiny, st
 
 def test_the_processor_refuses_media_parts_naming_them(stages):
     processor, _ = stages
-    with pytest.raises(InvalidInput, match="text parts only"):
-        processor({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]}, None)
+    with pytest.raises(InvalidInput, match="text parts only") as refused:
+        processor({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                             {"type": "audio", "audio": "a.wav"}]}]}, None)
+    assert refused.value.field == "messages[0].content[1] (audio)"
+    with pytest.raises(InvalidInput, match="text parts only") as refused:
+        processor({"text": "what is this?", "image": "b.png"}, None)
+    assert refused.value.field == "image"
 
 
 def test_omni_run_on_the_checkpoint_folder_answers_with_the_thinkers_text(qwen3_tiny, stages):

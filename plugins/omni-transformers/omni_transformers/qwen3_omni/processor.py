@@ -16,7 +16,13 @@ class Processor(QwenProcessor):
     def __init__(self, model: str | None = None, system_prompt: str | None = None, chat_template: bool = True):
         super().__init__(model, system_prompt=system_prompt, chat_template=chat_template)
 
-    @property
-    def mm(self):
-        raise InvalidInput("the qwen3_omni pipeline takes text parts only so far: audio and image parts are not "
-                           "served yet; send text", field="messages")
+    def media_of(self, messages: list[dict], origin=None, inserted: int = 0) -> tuple[list[dict], list, list]:
+        for k, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("audio", "image"):
+                    where = part.get("where") or f"messages[{k - inserted}].content[{j}] ({kind})"
+                    raise InvalidInput(f"{where}: the qwen3_omni pipeline takes text parts only so far (audio and "
+                                       "image inputs are not served yet); send text", field=where)
+        return super().media_of(messages, origin, inserted)
