@@ -23,9 +23,11 @@ from omni_core.errors import PipelineClosed, ProcessDied, ProcessHung, StartupEr
 from omni_core.plan.topology import build_plan
 from omni_core.plugins import load_plugins
 from omni_core.runtime import wire
-from omni_core.runtime.lifecycle import Lifecycle
 from omni_core.runtime.launch import RUNTIME_DIR_PREFIX
-from omni_core.runtime.runner import START_FAILURE_GRACE, Runner
+from omni_core.runtime.lifecycle import Lifecycle
+from omni_core.runtime.readiness import START_FAILURE_GRACE
+from omni_core.runtime.reports import StateReports
+from omni_core.runtime.runner import Runner
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -233,6 +235,7 @@ class Rig:
         self.endpoint = PlayedEndpoint(self.config, registry, self.lifecycle.handles)
         self.requests = FakeRequests()
         self.runner = Runner(self.config, registry, self.endpoint, self.lifecycle, self.requests)
+        self.reports = StateReports(self.endpoint, self.lifecycle)
         self.plan = build_plan(self.config, registry)
         self.names = [p.name for p in self.plan.processes]
         self._start: asyncio.Task | None = None
@@ -466,7 +469,7 @@ def test_a_death_within_the_grace_after_another_start_failure_is_listed_too(rig)
         r.endpoint.receive(wire.StartFailed("a", r.proc("a").pid, "ImportError: no torch", "", stage="a",
                                             path="stages[0].factory"))
         # The scenario, not a synchronisation: c dies (the OOM killer: no report) half the grace
-        # after a's report, while _wait_ready waits START_FAILURE_GRACE for other failures.
+        # after a's report, while Readiness.wait waits START_FAILURE_GRACE for other failures.
         await asyncio.sleep(START_FAILURE_GRACE / 2)
         r.proc("c").die(-9)
         with pytest.raises(StartupError) as info:
@@ -882,7 +885,7 @@ def test_debug_state_gathers_the_state_reports_of_the_live_processes(rig):
         r.proc("a").state = {"requests": 2, "streams": 1}
         r.proc("b").state = {"requests": 0}
         r.proc("c").state = {"requests": 5}
-        assert await r.runner.debug_state(timeout=5) == {
+        assert await r.reports.gather(timeout=5) == {
             "a": {"requests": 2, "streams": 1}, "b": {"requests": 0}, "c": {"requests": 5}}
         (query,) = r.endpoint.of_type(wire.StateQuery, "a")
         assert [m.token for m in r.endpoint.of_type(wire.StateQuery)] == [query.token] * 3

@@ -26,6 +26,7 @@ from .coordinator import Coordinator
 from .endpoint import Endpoint
 from .launch import RUNTIME_DIR_PREFIX, Launch, sweep_stale_runtime_dirs
 from .lifecycle import Lifecycle
+from .reports import StateReports
 from .requests import Event
 from .runner import Runner
 
@@ -50,6 +51,7 @@ class Pipeline:
         self.endpoint = Endpoint(self.config, self.registry, process="coordinator", origin="")
         self.coordinator = Coordinator(self.config, self.registry, self.endpoint, self.lifecycle)
         self.launch = Launch(self.config, self.registry)
+        self.reports = StateReports(self.endpoint, self.lifecycle)
         self.runner = Runner(self.config, self.registry, self.endpoint, self.lifecycle, self.coordinator, self.launch)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ class Pipeline:
         with the number of entries of every table (requests, ended ids, stream windows and
         buffers, fan-in parts, relay tables). All zero once no request is in flight."""
         out = {"coordinator": self.coordinator.state()}
-        out.update(await self.runner.debug_state(timeout))
+        out.update(await self.reports.gather(timeout))
         return out
 
     # -- requests --------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -32,16 +31,13 @@ from ..errors import PipelineClosed, ProcessDied, ProcessHung, StartupError
 from ..logs import get_logger
 from ..plan.topology import Plan
 from ..registry import Registry
-from . import wire
+from . import ending, wire
 from .endpoint import Endpoint
 from .launch import Launch
 from .lifecycle import STATES, Lifecycle
+from .readiness import Readiness
 
 __all__ = ["STATES", "Requests", "Runner", "signal_name"]
-
-#: Seconds a failed start waits for more failures (several processes failing at once are all
-#: reported) and a process that died while starting waits for the StartFailed it may have sent.
-START_FAILURE_GRACE = 0.2
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -51,14 +47,6 @@ def signal_name(exitcode: int | None) -> str | None:
         except ValueError:
             return f"signal {-exitcode}"
     return None
-
-
-def _failure(fut: asyncio.Future) -> StartupError | None:
-    """Why a process's readiness failed (its future only ever fails with a StartupError)."""
-    exc = None if fut.cancelled() else fut.exception()
-    if exc is None or isinstance(exc, StartupError):
-        return exc
-    return StartupError(f"{type(exc).__name__}: {exc}")
 
 
 class Requests(Protocol):
@@ -104,7 +92,7 @@ class Runner:
         self.boots = self.launch.boots
         self.log = get_logger(pipeline=config.name)
         self.restarts = 0
-        self._ready: dict[str, asyncio.Future] = {}
+        self.readiness = Readiness(config.name, self.log)
         self._byes: dict[str, asyncio.Future] = {}
         self._heard: dict[str, float] = {}  # process → last heartbeat (monotonic), once ready
         self._hung: dict[str, float] = {}  # process → silence when it was killed as hung
@@ -113,12 +101,10 @@ class Runner:
         self._again: set[str] = set()  # groups to restart once more (a death during their restart)
         self._stop_task: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
-        self._reports: dict[int, tuple[asyncio.Future, dict[str, dict[str, int]], set[str]]] = {}
         endpoint.on(wire.Heartbeat, self._on_heartbeat)
         endpoint.on(wire.Ready, self._on_ready)
-        endpoint.on(wire.StartFailed, self._on_start_failed)
+        endpoint.on(wire.StartFailed, self.readiness.on_start_failed)
         endpoint.on(wire.Bye, self._on_bye)
-        endpoint.on(wire.StateReport, self._on_state_report)
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -140,7 +126,7 @@ class Runner:
             elif not alive:
                 state = "dead" if handle is not None else "starting"
             else:
-                state = "running" if self._is_ready(name) else "starting"
+                state = "running" if self.readiness.is_ready(name) else "starting"
             out[name] = {"state": state, "restarts": boot.generation}
         return out
 
@@ -182,10 +168,10 @@ class Runner:
         deadline = time.monotonic() + self.config.limits.startup_timeout
         for name in self.boots:
             self._launch(name)
-        await self._wait_ready(list(self.boots), deadline)
+        await self.readiness.wait(list(self.boots), deadline, self.config.limits.startup_timeout)
 
     def _launch(self, name: str) -> None:
-        self._ready[name] = self._loop.create_future()
+        self.readiness.expect(name, self._loop)
         self._heard.pop(name, None)
         self._hung.pop(name, None)
         self._dead.discard(name)
@@ -195,29 +181,6 @@ class Runner:
         self.log.info("process started", process=name, pid=handle.pid, stages=list(self.boots[name].process.stages),
                       device=self.boots[name].process.device, generation=self.boots[name].generation)
 
-    async def _wait_ready(self, names: list[str], deadline: float) -> None:
-        """Wait until every process of ``names`` is ready; at the first that fails (reports
-        ``StartFailed`` or dies), raise at once: one ``StartupError`` for it and for any other
-        that failed within ``START_FAILURE_GRACE`` of it (their ``failures``)."""
-        waiting = {self._ready[n]: n for n in names}
-        pending = set(waiting)
-        while pending:
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                late = ", ".join(sorted(waiting[f] for f in pending))
-                raise StartupError(
-                    f"pipeline {self.config.name!r}: process(es) {late} not ready within "
-                    f"limits.startup_timeout ({self.config.limits.startup_timeout:g} s); raise it if stage "
-                    "construction (model loading) is slow"
-                )
-            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if any(_failure(fut) for fut in done):
-                if pending:  # siblings failing with the same cause report within moments; a death
-                    # counts START_FAILURE_GRACE after it happened (its StartFailed may follow)
-                    more, pending = await asyncio.wait(pending, timeout=2 * START_FAILURE_GRACE)
-                    done |= more
-                raise StartupError.several([exc for fut in waiting if fut in done and (exc := _failure(fut))])
-
     # -- messages ---------------------------------------------------------------------------------
 
     def _on_heartbeat(self, msg: wire.Heartbeat) -> None:
@@ -226,52 +189,13 @@ class Runner:
             self._heard[msg.process] = time.monotonic()
 
     def _on_ready(self, msg: wire.Ready) -> None:
-        fut = self._ready.get(msg.process)
-        if fut is not None and not fut.done():
+        if self.readiness.on_ready(msg):
             self._heard[msg.process] = time.monotonic()
-            self.log.info("process ready", process=msg.process, pid=msg.pid)
-            fut.set_result(msg.pid)
-
-    def _on_start_failed(self, msg: wire.StartFailed) -> None:
-        fut = self._ready.get(msg.process)
-        if fut is not None and not fut.done():
-            if msg.stage:
-                text = f"{msg.path}: stage {msg.stage!r} failed to start (process {msg.process!r}): {msg.message}"
-            else:
-                text = f"process {msg.process!r} failed to start: {msg.message}"
-            self.log.info("process failed to start", process=msg.process, pid=msg.pid, stage=msg.stage or None,
-                          path=msg.path or None, error=msg.message.splitlines()[0] if msg.message else "")
-            fut.set_exception(StartupError(text, process=msg.process, traceback=msg.traceback,
-                                           stage=msg.stage or None, path=msg.path or None, detail=msg.message))
 
     def _on_bye(self, msg: wire.Bye) -> None:
         fut = self._byes.get(msg.process)
         if fut is not None and not fut.done():
             fut.set_result(None)
-
-    def _on_state_report(self, msg: wire.StateReport) -> None:
-        entry = self._reports.get(msg.token)
-        if entry is not None:
-            fut, reports, waiting = entry
-            reports[msg.process] = dict(msg.state)
-            waiting.discard(msg.process)
-            if not waiting and not fut.done():
-                fut.set_result(None)
-
-    async def debug_state(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
-        """Per-request state every live process holds (table → entries)."""
-        token = secrets.randbits(31)
-        names = {n for n in self.lifecycle.handles if self.lifecycle.live(n)}
-        fut = self._loop.create_future()
-        reports: dict[str, dict[str, int]] = {}
-        self._reports[token] = (fut, reports, set(names))
-        try:
-            self.lifecycle.tell(self.endpoint, wire.StateQuery(token), names)
-            if names:
-                await asyncio.wait_for(fut, timeout)
-        finally:
-            del self._reports[token]
-        return reports
 
     # -- supervision ------------------------------------------------------------------------------
 
@@ -291,18 +215,10 @@ class Runner:
         code = handle.exitcode
         reason = handle.describe_exit()  # e.g. Ray's cause and node
         stages = self.boots[name].process.stages
-        ready = self._ready.get(name)
-        if ready is not None and not ready.done():
+        if self.readiness.starting(name):
             how = reason or signal_name(code) or f"exit code {code}"
-            died = StartupError(f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name)
-
-            def fail() -> None:
-                if not ready.done():
-                    ready.set_exception(died)
-
-            # A process that reported StartFailed exits right after: its report, which may still
-            # be on its way, says more than the exit.
-            self._loop.call_later(START_FAILURE_GRACE, fail)
+            self.readiness.died(name, StartupError(
+                f"process {name!r} (stages: {', '.join(stages)}) died during startup ({how})", process=name), self._loop)
             return
         bye = self._byes.get(name)
         if bye is not None and not bye.done():  # gone without a Bye: nothing more to wait for
@@ -344,12 +260,13 @@ class Runner:
             while True:
                 self.log.warning("restarting process group", group=group, restart=self.restarts)
                 try:
-                    await self._kill(group)
+                    await ending.kill(h for n in group if (h := self.lifecycle.handles.get(n)) is not None)
                     floor, ended = self.requests.ended()
                     for name in group:
                         self.launch.next_generation(name, floor, ended)
                         self._launch(name)
-                    await self._wait_ready(group, time.monotonic() + self.config.limits.startup_timeout)
+                    await self.readiness.wait(group, time.monotonic() + self.config.limits.startup_timeout,
+                                              self.config.limits.startup_timeout)
                     if leader not in self._again and all(self.lifecycle.live(n) for n in group):
                         break
                     self._again.discard(leader)
@@ -371,20 +288,6 @@ class Runner:
             self._restarting.pop(leader, None)
             if not self._restarting and self.lifecycle.state == "restarting":
                 self.lifecycle.set("running")
-
-    async def _kill(self, names: list[str]) -> None:
-        """Kill the live processes among ``names`` and wait until they are gone."""
-        for name in names:
-            handle = self.lifecycle.handles.get(name)
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(handle.sentinel)
-                if handle.exitcode is None:
-                    handle.kill()
-        for name in names:
-            handle = self.lifecycle.handles.get(name)
-            if handle is not None:
-                await self._join(handle, 5.0)
 
     async def _watch_heartbeats(self) -> None:
         limits = self.config.limits
@@ -449,55 +352,15 @@ class Runner:
         span = max(0.5, deadline - start)
         alive = {n: h for n, h in self.lifecycle.handles.items() if h.exitcode is None}
         if failed_start:
-            for fut in self._ready.values():
-                if not fut.done():
-                    fut.cancel()  # its death from here on is expected, not another failure
-            unready = [n for n in alive if not self._is_ready(n)]
+            self.readiness.cancel()  # their deaths from here on are expected, not other failures
+            unready = [n for n in alive if not self.readiness.is_ready(n)]
             for name in unready:
                 alive.pop(name).terminate()
         if alive:
             self._byes = {n: self._loop.create_future() for n in alive}
             self.endpoint.post_all(alive, wire.Shutdown())
             await asyncio.wait(list(self._byes.values()), timeout=span * 0.5)
-        join_by = start + span * 0.7
-        for handle in self.lifecycle.handles.values():
-            await self._join(handle, join_by - time.monotonic())
-        for handle in self.lifecycle.handles.values():
-            if handle.exitcode is None:
-                handle.terminate()
-        for handle in self.lifecycle.handles.values():
-            await self._join(handle, start + span * 0.9 - time.monotonic())
-        for handle in self.lifecycle.handles.values():
-            if handle.exitcode is None:
-                handle.kill()
-        for handle in self.lifecycle.handles.values():
-            await self._join(handle, max(0.5, start + span - time.monotonic()))
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(handle.sentinel)
+        await ending.stair(self.lifecycle.handles.values(), start, span)
         self.launch.close_launcher()
         self.endpoint.close(linger_ms=0)
         self.launch.close()
-
-    def _is_ready(self, name: str) -> bool:
-        fut = self._ready.get(name)
-        return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-
-    async def _join(self, handle: ProcessHandle, timeout: float) -> None:
-        """Wait up to ``timeout`` for ``handle``'s process to exit: on its sentinel (readable
-        once the process is gone), then reap it."""
-        if handle.exitcode is None and timeout > 0:
-            gone: asyncio.Future[None] = self._loop.create_future()
-
-            def exited() -> None:
-                if not gone.done():
-                    gone.set_result(None)
-
-            self._loop.add_reader(handle.sentinel, exited)
-            try:
-                await asyncio.wait_for(gone, timeout)
-            except asyncio.TimeoutError:
-                return
-            finally:
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(handle.sentinel)
-        handle.join(0 if handle.exitcode is not None else 0.1)

@@ -113,7 +113,7 @@ def test_restart_on_failure_recreates_the_actor_on_its_node_at_its_addresses(clu
             old_pid, address = p.pids()["b"], p.addresses["b"]
             os.kill(old_pid, signal.SIGKILL)
             await wait_until_async(lambda: p.pids()["b"] != old_pid and p.running, 60)
-            await wait_until_async(lambda: p.handles["b"].exitcode is None and p.runner._ready["b"].done(), 60)
+            await wait_until_async(lambda: p.handles["b"].exitcode is None and not p.runner.readiness.starting("b"), 60)
             second = await p.submit({"x": torch.ones(4)})
             assert torch.equal(first["x"], second["x"])
             hop = {h[0]: h for h in second["hops"]}["b"]
