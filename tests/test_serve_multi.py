@@ -118,6 +118,7 @@ def test_every_pipeline_is_listed_with_processes_of_its_own(client):
     ready = client.get("/ready")
     assert ready.status_code == 200
     assert ready.json()["pipelines"] == {n: {"status": "ready"} for n in ("words", "small", "asr", "tts")}
+    assert client.get("/openapi.json").json()["info"]["title"] == "omni serve: words small asr tts"
 
 
 def test_the_core_route_serves_each_pipeline_by_name(client):

@@ -12,7 +12,7 @@ from .common import LogLevel, app, err
 
 @app.command()
 def serve(
-    configs: Annotated[list[str], typer.Argument(metavar="CONFIG...", help="A YAML/TOML/JSON file, a registered pipeline name (e.g. demo) or a checkpoint folder; several: one server serves each (a request picks one by its name, the OpenAI APIs by 'model').")],
+    configs: Annotated[list[str], typer.Argument(metavar="CONFIG", help="A YAML/TOML/JSON file, a registered pipeline name (e.g. demo) or a checkpoint folder; several: one server serves each (a request picks one by its name, the OpenAI APIs by 'model').")],
     host: Annotated[str, typer.Option("--host", help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="The port to listen on (0: any free port, printed at start).")] = 8000,
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,

@@ -66,11 +66,16 @@ def _op(summary: str, responses: dict[str, Any], *, body: dict[str, Any] | None 
     return op
 
 
+def _names(state: ServeState) -> str:
+    """The pipelines the server serves, quoted (``omni serve A B``: several)."""
+    return ", ".join(repr(n) for n in (getattr(state, "group", None) or [state.name]))
+
+
 def core_paths(state: ServeState) -> dict[str, dict[str, Any]]:
     """The core routes' (and the console's) path items."""
     public = set(state.settings.public_routes) if state.settings.api_keys else None
     name_param = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
-                   "description": f"The pipeline's name ({state.name!r} on this server)."}]
+                   "description": f"The pipeline's name ({_names(state)} on this server)."}]
 
     def secured(path: str) -> bool:
         return public is None or path not in public
@@ -154,8 +159,9 @@ def openapi_document(state: ServeState, routes: list[Any], core: tuple[str, ...]
         paths.setdefault(_path(route), {}).update(api_operations(route))
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": f"omni serve: {state.name}", "version": omni_version,
-                 "description": f"Pipeline {state.name!r}; APIs mounted: {', '.join(state.settings.apis) or 'none'}."},
+        "info": {"title": f"omni serve: {' '.join(getattr(state, 'group', None) or [state.name])}",
+                 "version": omni_version,
+                 "description": f"Pipeline(s) {_names(state)}; APIs mounted: {', '.join(state.settings.apis) or 'none'}."},
         "paths": paths,
         "x-websockets": websockets,
     }
