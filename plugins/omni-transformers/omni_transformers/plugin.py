@@ -13,6 +13,7 @@ from .kit.wiring import (
     speech_inputs,
     terminal_stages,
     text_inputs,
+    thinker_text,
     wait_for_encoders,
 )
 
@@ -51,6 +52,7 @@ def omni_register_functions(register):
     register(f"{PREFIX}.wait_for_encoders", wait_for_encoders, kind="wait_for", description=wait_for_encoders.__doc__)
     for fn in (text_inputs, speech_inputs, audio_inputs, image_inputs):
         register(f"{PREFIX}.{fn.__name__}", fn, kind="project_payload", description=fn.__doc__)
+    register(f"{PREFIX}.thinker_text", thinker_text, kind="project_stream", description=thinker_text.__doc__)
 
 
 @omni_core.hookimpl

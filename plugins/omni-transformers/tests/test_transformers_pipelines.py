@@ -13,6 +13,7 @@ from omni_core import Pipeline, load_config
 from omni_core.plugins import load_plugins
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
+from omni_transformers.kit.streams import USAGE_KEYS
 from omni_transformers.qwen2_5_omni.token2wav import (
     BATCHED_MAX_RELATIVE_ERROR,
     STREAM_MAX_RELATIVE_ERROR,
@@ -91,7 +92,8 @@ async def collect(p: Pipeline, inputs: dict) -> tuple[list, dict]:
         if event.is_result:
             result = event.data
         else:
-            assert event.stage == "token2wav"
+            # the text from the thinker (stream_to caller), the audio from token2wav
+            assert event.stage == ("thinker" if "text" in event.data else "token2wav"), (event.stage, event.data)
             chunks.append(event.data)
     return chunks, result
 
@@ -104,7 +106,8 @@ def check_cases(results, tiny_model, reference, cases) -> None:
         texts = [c for c in chunks if "text" in c]
         audio = [c for c in chunks if "audio" in c]
         assert len(texts) + len(audio) == len(chunks)
-        assert all(set(c) == {"text", "token_ids"} for c in texts)
+        assert all(set(c) - set(USAGE_KEYS) == {"text", "token_ids"} for c in texts)
+        assert {k: texts[-1][k] for k in USAGE_KEYS} == {k: result[k] for k in USAGE_KEYS}  # the usage on the last
         assert [i for c in texts for i in c["token_ids"]] == result["token_ids"]
         assert "".join(c["text"] for c in texts) == result["text"]
         assert audio and all(c["sample_rate"] == 24000 for c in audio)

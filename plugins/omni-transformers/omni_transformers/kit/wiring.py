@@ -79,3 +79,13 @@ def terminal_stages(inputs):
     if isinstance(inputs, dict) and inputs.get("return_audio") is False:
         return [TEXT]
     return ["token2wav"]
+
+
+def thinker_text(chunk):
+    """Stream projection (``project_stream: {caller: ...}`` of the thinker): what the caller gets of
+    a thinker chunk, a ``TextChunk`` (``{"text", "token_ids"}``, the usage counts on the last one)
+    without the tensors only the talker reads."""
+    if chunk.get("final"):
+        usage = {k: chunk[k] for k in ("prompt_tokens", "completion_tokens", "finish_reason") if k in chunk}
+        return {"text": chunk.get("text", ""), "token_ids": [], **usage}
+    return {"text": chunk["text"], "token_ids": [chunk["token_id"]]}
