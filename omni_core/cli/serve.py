@@ -18,6 +18,7 @@ def serve(
     api: Annotated[list[str] | None, typer.Option("--api", metavar="NAME", help="Mount this API (repeatable), beside the config's serve.apis; see `omni plugins list`.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds requests in flight may take to finish after SIGTERM/SIGINT.")] = 30.0,
     no_console: Annotated[bool, typer.Option("--no-console", help="Do not serve the console (the web page at GET / and its /console/* routes).")] = False,
+    model: Annotated[str | None, typer.Option("--model", metavar="DIR", help="A checkpoint folder given to every stage of every pipeline as args.model (a model family's pipeline serves it), as omni run --model.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", min=0, metavar="N", help="Place stages on N of this machine's GPUs, as omni run --gpus (needs CUDA; 0: every stage on the CPU; `omni plan CONFIG --gpus N` shows the plan without them).")] = None,
     api_key: Annotated[list[str] | None, typer.Option("--api-key", metavar="KEY", help="Require this key on every route (repeatable): 'Authorization: Bearer KEY'. Visible in ps: prefer --api-key-file or OMNI_API_KEY.")] = None,
     api_key_file: Annotated[list[str] | None, typer.Option("--api-key-file", metavar="PATH", help="Require the keys in this file (one per line; blank and # lines skipped; repeatable).")] = None,
@@ -51,6 +52,8 @@ def serve(
 
       omni serve pipeline.yaml --port 9000 --api openai
 
+      omni serve qwen2_5_omni --model ./Qwen2.5-Omni-7B
+
       omni serve demo asr.yaml tts.yaml --api openai --api realtime
 
       omni serve demo --host 0.0.0.0 --api-key-file keys.txt --ssl-certfile cert.pem --ssl-keyfile key.pem
@@ -74,7 +77,7 @@ def serve(
         add_config_import_paths(config)  # factories beside the config, or in the working directory
     try:
         for config in configs:
-            check_stage_args(config)
+            check_stage_args(config if model is None else _on_gpus(config, None, model))
     except ConfigError as exc:
         err.print(str(exc), markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -91,7 +94,7 @@ def serve(
         err.print(f"omni serve: {config} on {url}", markup=False, highlight=False)
 
     try:
-        targets = [_on_gpus(c, gpus) if gpus else c for c in configs]
+        targets = [_on_gpus(c, gpus, model) if gpus or model is not None else c for c in configs]
         status = run(targets[0] if len(targets) == 1 else targets, settings, announce=announce)
     except ConfigError as exc:
         err.print(str(exc), markup=False, highlight=False)
@@ -105,12 +108,13 @@ def serve(
     raise typer.Exit(status)
 
 
-def _on_gpus(config: str, gpus: int):
+def _on_gpus(config: str, gpus: int | None, model: str | None = None):
     """The config with ``placement.gpus`` set to ``gpus``: what ``omni run --gpus`` gives the
-    pipeline (placement over that many GPUs instead of every GPU torch sees)."""
+    pipeline (placement over that many GPUs instead of every GPU torch sees); with ``model``, the
+    checkpoint folder in every stage's ``args.model`` (``omni run --model``)."""
     import attrs
 
     from ..config import load_config
 
-    cfg = load_config(config)
-    return attrs.evolve(cfg, placement=attrs.evolve(cfg.placement, gpus=gpus))
+    cfg = load_config(config, model=model)
+    return attrs.evolve(cfg, placement=attrs.evolve(cfg.placement, gpus=gpus)) if gpus else cfg

@@ -75,3 +75,18 @@ def test_omni_serve_on_a_checkpoint_folder_serves_its_familys_pipeline_with_the_
         reply = client.chat.completions.create(model="qwen2_5_omni", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4, modalities=["text"])
         assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
+
+
+def test_omni_serve_with_model_gives_a_family_pipeline_its_checkpoint(tiny_model, tmp_path):
+    import openai
+    from omni_core.testing.serve import ServerProcess
+
+    srv = ServerProcess("qwen2_5_omni", "--model", str(tiny_model), env={"OMNI_TRANSFORMERS_MODEL": ""},
+                        cwd=str(tmp_path), ready_timeout=300)
+    with srv.serving(stop_timeout=120):
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        reply = client.chat.completions.create(model="qwen2_5_omni", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, modalities=["text"])
+        assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    missing = omni("serve", "qwen2_5_omni", "--model", str(tmp_path / "nowhere"), "--port", "0", cwd=tmp_path)
+    assert missing.returncode != 0 and "nowhere" in missing.stderr, missing.stderr
