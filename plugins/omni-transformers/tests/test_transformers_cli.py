@@ -25,7 +25,8 @@ def test_omni_run_stream_prints_text_then_audio_and_writes_a_wav(tiny_model, tmp
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"stage"')]
     chunks = [line["chunk"] for line in lines]
-    assert all(line["stage"] == "token2wav" for line in lines)
+    # the text from the thinker (stream_to caller), the audio from token2wav
+    assert all(line["stage"] == ("thinker" if "text" in line["chunk"] else "token2wav") for line in lines)
     texts = [c for c in chunks if "text" in c]
     assert sum(len(c["token_ids"]) for c in texts) == 6
     assert "audio" in chunks[-1] and chunks[-1]["sample_rate"] == 24000
