@@ -22,6 +22,7 @@ from omni_tcp.relay import _decode, _encode, _Handle
 
 pytest.importorskip("omni_ray", reason="the cross-node tests need omni-ray (pip install ./plugins/omni-ray)")
 
+import test_tcp_conformance  # noqa: E402  (a module, not its class: pytest would collect the class here too)
 from omni_ray.testing import RayCrossNodeConformance, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("cluster")
@@ -31,6 +32,7 @@ class TestTcpAcrossNodes(RayCrossNodeConformance):
     relay_name = "tcp"
     relay_options = {"credits": 4, "timeout": 1.0, "inline_below": 0, "chunk_bytes": 1 << 16}
     credits = 4
+    unread_release_gap = test_tcp_conformance.TestTcpRelay.unread_release_gap
     put_timeout = 1.0
     large_bytes = 8 << 20
 
