@@ -27,12 +27,13 @@ from omni_core.testing.serve import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 
-HERE = Path(__file__).parent
-CONTRIB_TESTS = HERE.parent / "contrib_stages" / "tests"
-WORDS = str(HERE / "configs" / "serve" / "words.yaml")
-SMALL = str(HERE / "configs" / "serve" / "small.yaml")
-NEVER = str(HERE / "configs" / "serve" / "never.yaml")
-ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), str(CONTRIB_TESTS), os.environ.get("PYTHONPATH", "")])}
+# With the openai API and the toy ASR/TTS stages of these tests, and omni-core's serve test configs.
+CONTRIB_TESTS = Path(__file__).parent
+CORE_TESTS = CONTRIB_TESTS.parent.parent / "tests"
+WORDS = str(CORE_TESTS / "configs" / "serve" / "words.yaml")
+SMALL = str(CORE_TESTS / "configs" / "serve" / "small.yaml")
+NEVER = str(CORE_TESTS / "configs" / "serve" / "never.yaml")
+ENV = {"PYTHONPATH": os.pathsep.join([str(CORE_TESTS), str(CONTRIB_TESTS), os.environ.get("PYTHONPATH", "")])}
 
 ASR = """
 name: asr
