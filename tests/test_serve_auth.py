@@ -5,7 +5,6 @@ official ``openai`` SDK, httpx and curl."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime
 import json
@@ -17,7 +16,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from omni_core.errors import OmniError
@@ -34,15 +32,6 @@ FILE_KEY = "sk-omni-from-file"
 ENV_KEY = "sk-omni-from-env"
 
 
-def contrib() -> bool:
-    try:
-        import omni_contrib_stages  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_demo = pytest.mark.skipif(not contrib(), reason="omni-contrib-stages (the demo pipeline) is not installed")
 
 
 # -- the rules, in-process ------------------------------------------------------------------------
@@ -274,66 +263,3 @@ def test_tls_needs_both_files(tmp_path):
         srv.start()
     assert srv.returncode == 1
     srv.assert_nothing_left()
-
-
-# -- the OpenAI routes and the Realtime WebSocket of the demo, with the official SDK ----------------------
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    srv = ServerProcess("demo", "--api", "realtime", "--api-key", KEY, env=ENV,
-                        cwd=str(tmp_path_factory.mktemp("demo")), ready_timeout=300)
-    with srv.serving():
-        yield srv
-
-
-@needs_demo
-def test_the_sdk_chats_with_the_key_and_gets_authentication_error_without(demo):
-    client = openai.OpenAI(base_url=f"{demo.url}/v1", api_key=KEY, max_retries=0)
-    reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-    assert reply.choices[0].message.content
-    assert [m.id for m in client.models.list()] == ["demo"]
-    wrong = openai.OpenAI(base_url=f"{demo.url}/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as refused:
-        wrong.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
-    assert refused.value.status_code == 401
-    body = refused.value.body
-    assert set(body) >= {"message", "type", "param", "code"} and body["code"] == "invalid_api_key"  # the OpenAI shape
-
-
-def _realtime_text_turn(url: str, key: str) -> list:
-    async def main():
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-        async with client.realtime.connect(model="demo") as conn:
-            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "hello"}]})
-            await conn.response.create()
-            events = []
-            async for event in conn:
-                events.append(event)
-                if event.type in ("response.done", "error"):
-                    return events
-        return events
-
-    return asyncio.run(asyncio.wait_for(main(), 120))
-
-
-@needs_demo
-def test_the_sdk_opens_the_realtime_websocket_with_the_key(demo):
-    events = _realtime_text_turn(demo.url, KEY)
-    assert events[-1].type == "response.done", events
-    with pytest.raises(Exception) as refused:
-        _realtime_text_turn(demo.url, "wrong")
-    assert "401" in str(refused.value)
-
-
-@needs_demo
-def test_a_browser_sends_the_key_as_a_subprotocol_and_gets_realtime_back(demo):
-    from websockets.sync.client import connect
-
-    protocols = ["realtime", f"openai-insecure-api-key.{KEY}", "openai-beta.realtime-v1"]
-    with connect(f"{demo.url.replace('http', 'ws')}/v1/realtime?model=demo", subprotocols=protocols) as ws:
-        assert ws.subprotocol == "realtime"  # never the key
-        first = json.loads(ws.recv(timeout=30))
-        assert first["type"] == "session.created"

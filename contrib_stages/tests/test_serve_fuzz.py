@@ -21,12 +21,7 @@ import pytest
 from omni_core.testing.fuzz import DEMO_INPUTS, fuzz_server, fuzz_websocket
 from omni_core.testing.serve import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-try:
-    import omni_contrib_stages  # noqa: F401 - the demo pipeline
-except ImportError:  # pragma: no cover - the core env without contrib
-    pytest.skip("omni-contrib-stages (the demo pipeline) is not installed", allow_module_level=True)
+pytestmark = pytest.mark.timeout(900)
 
 ENV = {"OMNI_LOAD_PLUGINS": "contrib"}
 KEY = "sk-fuzz-0123456789"
