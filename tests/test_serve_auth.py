@@ -144,15 +144,17 @@ def test_the_openapi_document_lists_the_core_routes_and_the_key(server):
     assert "security" not in doc["paths"]["/metrics"]["get"]  # the document's default: a key
 
 
-def test_the_websocket_refusal_names_the_api_to_mount(server):
+def test_a_websocket_no_api_serves_is_told_how_to_find_one(server):
+    """No installed API serves the path here (omni-core alone): the refusal says how to find and
+    mount one (contrib's tests check that an installed API is named: test_serve_auth_demo.py)."""
     from websockets.sync.client import connect
 
-    with connect(f"{server.url.replace('http', 'ws')}/v1/realtime?model=words",
+    with connect(f"{server.url.replace('http', 'ws')}/v1/nothing-serves-this",
                  additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
         event = json.loads(ws.recv(timeout=30))
     assert event["type"] == "error"
     message = event["error"]["message"]
-    assert "'realtime'" in message and "--api realtime" in message, message
+    assert "no WebSocket at /v1/nothing-serves-this" in message and "omni plugins list" in message, message
 
 
 def test_a_websocket_without_a_key_is_refused_with_401(server):

@@ -76,3 +76,15 @@ def test_a_browser_sends_the_key_as_a_subprotocol_and_gets_realtime_back(demo):
         assert ws.subprotocol == "realtime"  # never the key
         first = json.loads(ws.recv(timeout=30))
         assert first["type"] == "session.created"
+
+
+def test_the_websocket_refusal_names_the_api_to_mount(tmp_path):
+    from websockets.sync.client import connect
+
+    srv = ServerProcess("demo", "--api-key", KEY, env=ENV, cwd=str(tmp_path), ready_timeout=300)  # no realtime
+    with srv.serving(), connect(f"{srv.url.replace('http', 'ws')}/v1/realtime?model=demo",
+                 additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        event = json.loads(ws.recv(timeout=30))
+    assert event["type"] == "error"
+    message = event["error"]["message"]
+    assert "'realtime'" in message and "--api realtime" in message, message
