@@ -102,8 +102,8 @@ def test_any_other_stage_error_is_a_500_logged_at_error_with_its_traceback(clien
     r = client.post(REQUESTS, json={"input": {"bug": True, "where": "second"}})
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "KeyError" and "Traceback" not in r.text
-    logged = [json.loads(line) for line in server.lines if '"request failed"' in line and "KeyError" in line]
-    assert logged and logged[-1]["level"] == "error" and "a bug in the stage" in logged[-1]["traceback"]
+    logged = [json.loads(line) for line in server.wait_for_lines('"request failed"', "KeyError")]
+    assert logged[-1]["level"] == "error" and "a bug in the stage" in logged[-1]["traceback"]
     refused = [json.loads(line) for line in server.lines if '"request failed"' in line and "InvalidInput" in line]
     assert all(line["level"] == "warning" for line in refused)
 

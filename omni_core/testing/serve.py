@@ -143,6 +143,20 @@ class ServerProcess:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def wait_for_lines(self, *parts: str, timeout: float = 10.0) -> list[str]:
+        """The log lines holding every one of ``parts``, once there is at least one: the server
+        writes a request's log line around the time it answers, so a test that reads the log
+        right after the answer polls for it (until ``timeout``, then an AssertionError with the
+        output)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [line for line in list(self.lines) if all(part in line for part in parts)]
+            if found:
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line with {parts!r} within {timeout:g} s:\n" + self.output())
+            time.sleep(0.02)
+
     def stop_cleanly(self, timeout: float = 60.0) -> None:
         """Stop; the server must exit 0 and leave nothing behind."""
         code = self.stop(timeout)
