@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..kit.tiny import byte_tokenizer
+
 # Token ids of the tiny vocabulary: 256 byte tokens first, then the special tokens.
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 256
@@ -149,42 +151,9 @@ def tiny_config():
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte -> printable character table of byte-level BPE (GPT-2's)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def tiny_tokenizer():
     """A byte-level tokenizer (no merges) over the tiny vocabulary, with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    table = _bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}  # token id == byte value
-    vocab.update(SPECIAL)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    # Every special token is one id (as in the real tokenizer): they are added to the tokenizer itself.
-    # (Passing both additional_special_tokens= and extra_special_tokens= to the wrapper makes
-    # transformers drop the first list silently: <|im_start|> was then 12 byte tokens.)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=TOKENIZER_SPECIAL_NAMES,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return byte_tokenizer(SPECIAL, TOKENIZER_SPECIAL_NAMES, CHAT_TEMPLATE)
 
 
 def tiny_speakers(config, seed: int = 0):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..kit.tiny import byte_tokenizer
+
 # Token ids of the tiny vocabulary: 256 byte tokens, the real checkpoint's special tokens, then the chat roles
 # (one token each, as in the real vocabulary: the talker finds a turn's role right after <|im_start|>).
 SPECIAL_TOKENS = [
@@ -171,41 +173,9 @@ def tiny_config():
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte -> printable character table of byte-level BPE (GPT-2's)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def tiny_tokenizer():
     """A byte-level tokenizer over the tiny vocabulary (the chat roles one token each), with a chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    table = _bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}  # token id == byte value
-    vocab.update(SPECIAL)
-    vocab.update(ROLE)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.add_tokens([AddedToken(role, normalized=False) for role in ROLES])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=TOKENIZER_SPECIAL_NAMES,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return byte_tokenizer(SPECIAL, TOKENIZER_SPECIAL_NAMES, CHAT_TEMPLATE, words=ROLE)
 
 
 def _init_talker_moe(model, generator, std: float) -> None:
