@@ -271,6 +271,44 @@ class AllReduce:
         return {"x": part, "ranks": self.size, "pid": os.getpid()}
 
 
+class TPChunks:
+    """A tensor-parallel stage streaming ``payload["n"]`` chunks: for each, every rank all-reduces
+    ``[i, stop]`` (so the ranks stay in step) and emits ``{"i", "rank", "sum"}``; only rank 0's
+    chunks may leave the stage. Returns its rank, its chunk count and the group's size.
+
+    An abort reaches each rank at its own point (the leader waits on the caller's credits while a
+    follower, whose chunks go nowhere, is already in the next collective): a cancelled rank joins
+    one more all-reduce with ``stop`` set, and a rank that sees ``stop`` ends, so no rank is left
+    waiting in a collective the others never join."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, tp_init_method: str | None = None):
+        import torch.distributed as dist
+
+        assert dist.is_initialized() and dist.get_world_size() == tp_size
+        self.rank = tp_rank
+        self.size = tp_size
+
+    @staticmethod
+    def _reduce(i: int, stop: bool) -> torch.Tensor:
+        import torch.distributed as dist
+
+        values = torch.tensor([float(i), float(stop)])
+        dist.all_reduce(values)
+        return values
+
+    async def __call__(self, payload, ctx):
+        for i in range(payload["n"]):
+            values = self._reduce(i, stop=False)
+            if values[1] > 0:  # another rank was cancelled: the request ends on every rank
+                raise asyncio.CancelledError
+            try:
+                await ctx.emit({"i": i, "rank": self.rank, "sum": values[:1].clone()})
+            except asyncio.CancelledError:
+                self._reduce(i, stop=True)
+                raise
+        return {"n": payload["n"], "rank": self.rank, "ranks": self.size, "r": payload.get("r")}
+
+
 class Cwd:
     def __call__(self, payload, ctx):
         return {"cwd": os.getcwd()}
