@@ -328,6 +328,7 @@ def test_server_vad_on_silence_speech_silence_then_barge_in(server):
 def test_every_malformed_input_is_an_error_event_and_the_session_goes_on(server):
     cases = [
         ("not json", "invalid_json"),
+        ("[" * 50_000 + "]" * 50_000, "invalid_json"),  # nested past the reader's limit: refused, not a crash
         ("[1, 2]", "invalid_event"),
         ({"type": "no.such.event"}, "unknown_event"),
         ({"type": "input_audio_buffer.append", "audio": "%%%not base64"}, "invalid_value"),

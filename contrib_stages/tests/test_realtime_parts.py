@@ -48,6 +48,9 @@ def test_metrics_define_adds_a_metric_once_and_refuses_another_under_its_name(mo
     [
         ({"type": "websocket.receive", "bytes": b"\x00"}, "invalid_event", None),
         ({"type": "websocket.receive", "text": "{not json"}, "invalid_json", None),
+        ({"type": "websocket.receive", "text": "[" * 100_000 + "]" * 100_000}, "invalid_json", None),
+        ({"type": "websocket.receive", "text": '{"type": "response.create", "x": ' + "[" * 65 + "]" * 65 + "}"},
+         "invalid_json", None),
         ({"type": "websocket.receive", "text": "[1]"}, "invalid_event", None),
         ({"type": "websocket.receive", "text": json.dumps({"type": "nope", "event_id": "e1"})}, "unknown_event", "e1"),
         ({"type": "websocket.receive", "text": json.dumps({"type": "response.create", "event_id": "e2",
@@ -57,11 +60,13 @@ def test_metrics_define_adds_a_metric_once_and_refuses_another_under_its_name(mo
 def test_a_client_message_is_read_or_refused_naming_why(message, code, event_id):
     from omni_contrib_stages.realtime.protocol import Incoming
 
-    incoming = Incoming(message, max_bytes=100)
+    incoming = Incoming(message, max_bytes=1_000_000 if "[[" in message.get("text", "") else 100)
     assert incoming.problem is not None and incoming.problem.code == code
     assert incoming.event_id == event_id
     error = incoming.problem.event_error(incoming.event_id)
     assert error["code"] == code and error["event_id"] == event_id and error["message"]
+    if "[[" in message.get("text", ""):  # refused by the server's JSON reader before any parser recursed
+        assert "nests arrays/objects more than 64 deep" in error["message"]
 
 
 def test_a_client_event_names_its_handler():

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from omni_core.options import parse_options
+from omni_core.serve import HTTPError, parse_json
 
 from ..api_common import SHARED_OPTIONS, check_stages
 from ..plugin import REALTIME_OPTIONS
@@ -78,12 +78,12 @@ class Incoming:
         too_large = ClientError(f"the event is {len(text)} bytes, more than this server takes ({max_bytes}, serve "
                                 "option max_event_bytes); send audio in smaller input_audio_buffer.append events",
                                 "event_too_large")
-        try:
-            event = json.loads(text)
-        except json.JSONDecodeError as exc:
+        try:  # the server's own JSON reader: a deeply nested event is refused before any parser recurses
+            event = parse_json(text, what="the event")
+        except HTTPError as exc:
             if len(text) > max_bytes:
                 raise too_large from None
-            raise ClientError(f"the event is not valid JSON: {exc}", "invalid_json") from None
+            raise ClientError(exc.message, "invalid_json") from None
         if not isinstance(event, dict):
             raise ClientError(f"an event must be a JSON object with a 'type', got {type(event).__name__}",
                               "invalid_event")
