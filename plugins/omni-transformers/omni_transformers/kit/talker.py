@@ -10,7 +10,7 @@ A family subclasses :class:`CodecTalker` and fills its hooks:
 - ``prefill_inputs(head, reply0)``: the talker's prompt from the thinker's step 0 (``head``: the
   prompt's conditioning ``head["prompt"]`` [L, H] and the family's ``head_keys`` tensors) and the
   conditioning of the thinker's first generated token: ``(prefix [P, E], ids)``, ``ids`` what the
-  repetition penalty reads for the prefix;
+  repetition penalty reads for the prefix; or None when there is nothing to speak (no frames);
 - ``tail_input(state, step)``: the thinker input of a step past the thinker's reply (for example its
   text end, then padding);
 - ``step_embeds(states, replies)``: the decode step's input [B, 1, E] from each row's last frame
@@ -21,17 +21,23 @@ A family subclasses :class:`CodecTalker` and fills its hooks:
 - ``forward_prefill(embeds, cache)``: the prefill's forward → logits [1, V] of its last position;
 - ``frame(state, logits)``: one step → one frame of ``codebooks`` codes (default: the first
   codebook sampled with the row's sampler; a multi-codebook talker draws the others here, e.g.
-  with a code predictor);
+  with a code predictor); ``frames(states, logits)``: the frames of all the rows of a step
+  (default: with the default ``frame``, the first codebook of every row in one batched sampler
+  call, ``kit.sampling.sample_rows``, the same codes as each row's sampler alone; with a family's
+  own ``frame``, that on each; a code predictor batched across the rows overrides it);
 - ``is_end(state, frame)``: whether a frame ends the row instead of being spoken (default: its
   first code is in ``self.eos``; a family whose end is, say, all codebooks 0 says so here).
 
-The stage streams :class:`~omni_transformers.kit.chunks.CodesChunk` frames (``codes_per_chunk``
-frames a chunk) and returns ``{"codes": [...]}`` (frame-major).
+The stage streams :class:`~omni_transformers.kit.chunks.CodesChunk` frames and returns
+``{"codes": [...]}`` (frame-major). A chunk goes out when the frames so far reach
+``first_codes_per_chunk`` (1), twice that, and so on (a vocoder can start on the first frame at
+once), then every ``codes_per_chunk`` frames.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,7 +45,7 @@ from omni_core.kits import NO_OUTPUT, DecodeLoop
 
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import CodesChunk, TextChunk, ThinkerEnd, ThinkerHead, thinker_chunk
-from .sampling import Sampler, make_generator, resolve_model_path
+from .sampling import Sampler, make_generator, resolve_model_path, sample_rows
 from .streams import USAGE_KEYS, StreamProgress, request_seed
 
 
@@ -77,8 +83,10 @@ class CodecTalker:
     input is late skips the step without holding the others.
 
     ``max_batch_size``, ``kv_cache_tokens`` (reserved per request: prompt + most frames) and
-    ``max_prefill_tokens`` bound the batch as for the thinker; ``codes_per_chunk`` frames go in a
-    chunk; ``talker_max_new_tokens`` and ``talker_do_sample`` in a request override the stage's."""
+    ``max_prefill_tokens`` bound the batch as for the thinker; a chunk of frames goes out when the
+    frames so far reach ``first_codes_per_chunk`` (1), then twice as many, and so on, then every
+    ``codes_per_chunk`` frames (``first_codes_per_chunk`` = ``codes_per_chunk``: equal chunks);
+    ``talker_max_new_tokens`` and ``talker_do_sample`` in a request override the stage's."""
 
     #: codes per frame (1: one codebook; 16 for a 16-codebook talker)
     codebooks = 1
@@ -90,7 +98,7 @@ class CodecTalker:
                  temperature: float = 0.9, repetition_penalty: float = 1.05,
                  eos_token_id: list[int] | None = None, codes_per_chunk: int = 16, source: str = "thinker",
                  max_batch_size: int = 64, kv_cache_tokens: int | None = 524288,
-                 max_prefill_tokens: int | None = 512):
+                 max_prefill_tokens: int | None = 512, first_codes_per_chunk: int = 1):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model = self.load_model(self.path, dtype=dtype, device=device)
@@ -103,7 +111,11 @@ class CodecTalker:
         self.max_new_tokens = max_new_tokens
         self.sampling = {"do_sample": do_sample, "top_k": top_k, "top_p": top_p, "temperature": temperature,
                          "repetition_penalty": repetition_penalty}
-        self.codes_per_chunk = max(1, int(codes_per_chunk))
+        for name, value in (("codes_per_chunk", codes_per_chunk), ("first_codes_per_chunk", first_codes_per_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.codes_per_chunk = codes_per_chunk
+        self.first_codes_per_chunk = min(first_codes_per_chunk, codes_per_chunk)
         self.source = source
         self.loop = DecodeLoop(self.step, max_batch_size=max_batch_size, memory_budget=kv_cache_tokens,
                                max_prefill_tokens=max_prefill_tokens, name="talker")
@@ -137,6 +149,36 @@ class CodecTalker:
     def frame(self, state: TalkerRow, logits: torch.Tensor) -> list[int]:
         return [sample(state, logits, self.device)]
 
+    def frames(self, states: list[TalkerRow], logits: list[torch.Tensor]) -> list[list[int] | Exception]:
+        """One step's frames, one per row with an output (default: ``frame`` row by row, a row's
+        failure its own); a talker whose frame needs more forwards (a code predictor) runs them for
+        all the rows at once here."""
+        if type(self).frame is CodecTalker.frame and states:
+            try:  # one sampler call for every row (the same codes as row by row)
+                codes = sample_rows([s.sampler for s in states], [s.ids for s in states], torch.cat(logits))
+                return [[code] for code in codes]
+            except Exception:  # noqa: BLE001 - row by row below, so only the row at fault fails
+                pass
+        made: list = []
+        for state, lg in zip(states, logits, strict=True):
+            try:
+                made.append(self.frame(state, lg))
+            except Exception as exc:
+                made.append(exc)
+        return made
+
+    def chunk_ends(self) -> Iterator[int]:
+        """The frame counts at which a chunk goes out: ``first_codes_per_chunk`` doubling while
+        below ``codes_per_chunk``, then every ``codes_per_chunk``."""
+        end = self.first_codes_per_chunk
+        while end < self.codes_per_chunk:
+            yield end
+            end *= 2
+        end = self.codes_per_chunk
+        while True:
+            yield end
+            end += self.codes_per_chunk
+
     def is_end(self, state: TalkerRow, frame: list[int]) -> bool:
         return frame[0] in state.eos
 
@@ -144,13 +186,13 @@ class CodecTalker:
     def step(self, rows) -> list[Any]:
         with torch.inference_mode():
             results, outs = run_rows(rows, self._decode_rows, self.prefill)
-            for i, lg in outs:
+            made = self.frames([rows[i].state for i, _ in outs], [lg for _, lg in outs]) if outs else []
+            for (i, _), frame in zip(outs, made, strict=True):
                 state = rows[i].state
-                try:
-                    frame = [int(c) for c in self.frame(state, lg)]
-                except Exception as exc:
-                    results[i] = exc
+                if isinstance(frame, Exception):
+                    results[i] = frame
                     continue
+                frame = [int(c) for c in frame]
                 state.generated += 1
                 state.ids.append(frame[0])
                 if self.is_end(state, frame):
@@ -212,22 +254,27 @@ class CodecTalker:
         try:
             head = {k: v.to(self.device) for k, v in (await stream.first()).items()}
             reply0 = await stream.reply(0)
-            prefix, ids = self.prefill_inputs(head, None if reply0 is None else reply0.to(self.device))
-            row = TalkerRow(prefix, ids, sampler, max_new, self.eos, stream, head, seed)
+            inputs = self.prefill_inputs(head, None if reply0 is None else reply0.to(self.device))
             codes: list[int] = []
             pending: list[int] = []
             n = self.codebooks
-            async with self.loop.join(row, prompt_tokens=prefix.shape[0], memory=row.reserved,
-                                      needs_input=True) as seq:
-                stream.attach(seq, self.device)
-                async for frame in seq:
-                    if frame is None:  # an end code
-                        break
-                    codes.extend(frame)
-                    pending.extend(frame)
-                    if len(pending) >= self.codes_per_chunk * n:
-                        await ctx.emit(CodesChunk(pending, n).to_wire())
-                        pending = []
+            ends = self.chunk_ends()
+            send_at = next(ends)
+            if inputs is not None:  # None: nothing to speak (no frames)
+                prefix, ids = inputs
+                row = TalkerRow(prefix, ids, sampler, max_new, self.eos, stream, head, seed)
+                async with self.loop.join(row, prompt_tokens=prefix.shape[0], memory=row.reserved,
+                                          needs_input=True) as seq:
+                    stream.attach(seq, self.device)
+                    async for frame in seq:
+                        if frame is None:  # an end code
+                            break
+                        codes.extend(frame)
+                        pending.extend(frame)
+                        if len(codes) >= send_at * n:
+                            await ctx.emit(CodesChunk(pending, n).to_wire())
+                            pending = []
+                            send_at = next(ends)
             await reader  # the whole text reaches the caller before the last codes
             # The RNG state as bytes: a few bytes of msgpack, no relay transfer.
             await ctx.emit(CodesChunk(pending, n, final=True,
