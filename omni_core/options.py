@@ -56,7 +56,12 @@ TYPES: dict[str, str] = {
 @attrs.frozen
 class Option:
     """One option: its ``type`` (a key of :data:`TYPES`), ``default`` (None: no default, the
-    option is simply absent), a one-line ``help``, and ``choices`` for ``type="choice"``."""
+    option is simply absent), a one-line ``help``, and ``choices`` for ``type="choice"``.
+
+    ``replaced_by``: the option is gone, and this says what replaces it; any value given for it is
+    refused with that (``serve.options.openai.allow_local_files: this option was removed: use
+    serve.allow_local_files``), so a config written for the old name fails clearly instead of
+    being half-honoured."""
 
     type: str
     default: Any = None
@@ -64,6 +69,7 @@ class Option:
     choices: tuple[Any, ...] = ()
     #: ``null`` is a value too (``text_stage: null``: there is none).
     nullable: bool = False
+    replaced_by: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.type not in TYPES:
@@ -79,6 +85,8 @@ class Option:
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` does not fit (None: it does)."""
+        if self.replaced_by is not None:
+            return f"this option was removed: {self.replaced_by}"
         if value is None and self.nullable:
             return None
         if _CHECKS[self.type](value) and (self.type != "choice" or value in self.choices):
@@ -91,6 +99,8 @@ class Option:
             out["choices"] = list(self.choices)
         if self.nullable:
             out["nullable"] = True
+        if self.replaced_by is not None:
+            out["replaced_by"] = self.replaced_by
         return out
 
 
@@ -200,7 +210,7 @@ def parse_options(schema: Schema, options: Mapping[str, Any] | None, path: str =
     issues = option_issues(schema, options, path, owner=owner)
     if issues:
         raise OptionsError(issues)
-    values = {name: option.default for name, option in schema.items()}
+    values = {name: option.default for name, option in schema.items() if option.replaced_by is None}
     values.update(options)
     return values
 

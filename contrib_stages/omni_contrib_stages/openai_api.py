@@ -28,7 +28,6 @@ The adapter (``serve.options.openai`` in the pipeline config; every key optional
           voices: null                # accepted voice names (null: any)
           voice_key: null             # the voice goes to inputs[voice_key] (null: not passed on)
           messages_key: null          # the conversation (with audio / image parts) goes to inputs[messages_key]
-          allow_local_files: false    # image_url may name a file on the server (else data URLs only)
           system_messages: true       # with messages_key: pass system / developer messages on
           sampling: {}                # OpenAI sampling parameter -> input key, e.g. {seed: seed}
           max_tokens_limit: null      # the largest max_tokens the pipeline takes
@@ -38,7 +37,10 @@ With ``messages_key`` the stage gets the conversation in Qwen's chat format: eac
 and content, a string or parts ``{"type": "text", "text"}``, ``{"type": "audio", "audio": bytes}``
 (from ``input_audio``: base64 ``data`` of a ``wav``, ``mp3`` or ``flac`` file) and ``{"type":
 "image", "image": bytes}`` (from ``image_url`` with a ``data:`` URL; a ``file://`` URL or a path
-becomes ``"image": path`` only when ``allow_local_files`` is true; other URLs are refused).
+becomes ``"image": path`` only when the pipeline's ``serve.allow_local_files`` names a directory,
+and the stage then reads it only inside that directory; other URLs are refused). The API's own
+``allow_local_files`` option is gone: a config that still sets it is refused naming
+``serve.allow_local_files``.
 
 Audio in a chunk is either mono little-endian 16-bit PCM (``bytes``) or samples: a 1-D torch
 tensor, numpy array or list, float in [-1, 1] (any float dtype, bfloat16 included: clipped, scaled
@@ -127,6 +129,8 @@ def adapter_options(options: Mapping[str, Any], pipeline_config: Any) -> dict[st
     ``OptionsError``, a ValueError, lists every problem with its path) and against the pipeline."""
     opts = parse_options(OPTIONS, options, "serve.options.openai", owner="API 'openai'")
     check_stages(opts, pipeline_config, "serve.options.openai")
+    # image_url may name a server file only where the pipeline lets requests name files at all.
+    opts["local_files"] = pipeline_config.serve.allow_local_files is not None
     sampling = opts["sampling"]
     for name, key in sampling.items():
         if name not in SAMPLING:
@@ -215,8 +219,8 @@ def _part(part: Any, where: str, allow_local_files: bool) -> dict[str, Any]:
             raise BadRequest(f"{where}.image_url.url: this server does not fetch URLs; send the image as a data URL",
                              f"{where}.image_url.url")
         if not allow_local_files:
-            raise BadRequest(f"{where}.image_url.url: this server reads no local files (serve option "
-                             "allow_local_files); send the image as a data URL", f"{where}.image_url.url")
+            raise BadRequest(f"{where}.image_url.url: this server reads no local files (its pipeline sets no "
+                             "serve.allow_local_files); send the image as a data URL", f"{where}.image_url.url")
         return {"type": "image", "image": url.removeprefix("file://"), "where": f"{where} (image_url)"}
     raise BadRequest(f"{where}.type must be text, input_audio or image_url, got {kind!r}", f"{where}.type")
 
@@ -395,7 +399,7 @@ def parse_request(body: Any, model: str, opts: dict[str, Any]) -> dict[str, Any]
     if opts["messages_key"] is None:
         prompts = {opts["prompt_key"]: _prompt(body.get("messages"))}
     else:
-        prompts = {opts["messages_key"]: _conversation(body.get("messages"), opts["allow_local_files"],
+        prompts = {opts["messages_key"]: _conversation(body.get("messages"), opts["local_files"],
                                                        opts["system_messages"])}
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

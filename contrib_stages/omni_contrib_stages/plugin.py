@@ -112,8 +112,10 @@ OPENAI_OPTIONS: dict[str, Option] = {
                            "as {type: audio, audio: bytes} and image_url parts as {type: image, image: bytes}, "
                            "instead of the last user message's text to prompt_key (null: text only)",
                            nullable=True),
-    "allow_local_files": Option("bool", False, "image_url may name a file on the server (file:// URL or path); "
-                                "false: data URLs only"),
+    "allow_local_files": Option("any", None, "removed: the pipeline's serve.allow_local_files decides",
+                                replaced_by="set serve.allow_local_files to the directory requests may name files "
+                                "in (image_url file:// URLs and paths inside it are then read; without it, data "
+                                "URLs only)"),
     "system_messages": Option("bool", True, "with messages_key: system (and developer) messages are passed on; "
                               "false: left out, for a model that needs its own system prompt"),
     "sampling": Option("mapping", {}, "the sampling parameters the pipeline honours, OpenAI name -> input key "

@@ -8,12 +8,17 @@ import io
 import json
 import wave
 
+from importlib.resources import files
+
+import attrs
 import httpx
 import openai
 import pytest
+import yaml
 from omni_contrib_stages.openai_api import BadRequest, adapter_options, parse_request
 
 from omni_core import load_config
+from omni_core.errors import ConfigError
 from omni_core.testing.serve import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -167,6 +172,32 @@ def test_the_adapter_maps_a_request_to_the_demo_inputs():
         {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}, "demo", opts
     )
     assert text_only["inputs"] == {"text": "hi", "speak": False}
+
+
+def test_the_apis_own_allow_local_files_is_refused_naming_serve_allow_local_files():
+    cfg = load_config("demo")
+    for value in (True, False):
+        with pytest.raises(ConfigError, match=r"serve\.options\.openai\.allow_local_files: this option was removed: "
+                                              r"set serve\.allow_local_files to the directory"):
+            adapter_options({**cfg.serve.options["openai"], "allow_local_files": value}, cfg)
+    raw = yaml.safe_load((files("omni_contrib_stages") / "pipelines/demo.yaml").read_text())
+    raw["serve"]["options"]["openai"]["allow_local_files"] = True
+    with pytest.raises(ConfigError, match=r"serve\.options\.openai\.allow_local_files: this option was removed"):
+        load_config(raw)  # omni validate and omni serve refuse it before anything starts
+
+
+def test_an_image_url_naming_a_server_file_follows_serve_allow_local_files():
+    cfg = load_config("demo")
+    options = {**cfg.serve.options["openai"], "messages_key": "messages"}
+    body = {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///srv/files/a.png"}}]}]}
+    with pytest.raises(BadRequest, match=r"reads no local files \(its pipeline sets no serve\.allow_local_files\)"):
+        parse_request(body, "demo", adapter_options(options, cfg))
+    allowing = attrs.evolve(cfg, serve=attrs.evolve(cfg.serve, allow_local_files="/srv/files"))
+    req = parse_request(body, "demo", adapter_options(options, allowing))
+    # passed on as a path: the stage reads it only inside serve.allow_local_files (omni_core.files.local_path)
+    assert req["inputs"]["messages"][0]["content"] == [
+        {"type": "image", "image": "/srv/files/a.png", "where": "messages[0].content[0] (image_url)"}]
 
 
 def test_adapter_options_are_checked_against_the_pipeline():

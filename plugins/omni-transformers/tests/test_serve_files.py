@@ -166,7 +166,7 @@ def image_part(url: str) -> dict:
     (user(audio_part(b"RIFF not a wav at all")), {}, "cannot read audio"),
     (user(audio_part(wav(30))), {}, "s long"),
     (user(image_part("data:image/png;base64," + base64.b64encode(b"no image here").decode())), {}, "image"),
-    (user(image_part("file:///etc/hostname")), {}, "local files"),
+    (user(image_part("file:///etc/hostname")), {}, "not a file inside the directory"),
     ([{"role": "user", "content": "hi"}], {"max_tokens": 1000000000}, "max"),
 ])
 def test_each_chat_mistake_is_a_bad_request_after_one_post(sdk, messages, extra, words):

@@ -1,7 +1,7 @@
 """``omni serve qwen2_5_omni`` with the official ``openai`` SDK and omni inputs: a user message
 with ``input_audio`` (base64 WAV) and ``image_url`` (a data URL) parts, streamed and not, against
-the pipeline's own answer for the same media; a local file path is refused (the server does not
-allow local files), and the streamed audio comes in several deltas."""
+the pipeline's own answer for the same media; a server file outside serve.allow_local_files is
+refused, and the streamed audio comes in several deltas."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def test_openai_sdk_with_input_audio_and_image_url(server, files, native):
 def test_local_files_and_bad_parts_are_refused(server, files):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
     for part, words in [
-        ({"type": "image_url", "image_url": {"url": str(files / "photo.png")}}, "reads no local files"),
+        # serve.allow_local_files names `files`: a server file outside it is the stage's 400
+        ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, "not a file inside the directory"),
         ({"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}, "does not fetch"),
         ({"type": "input_audio", "input_audio": {"data": "!!!", "format": "wav"}}, "not valid base64"),
         ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aiff"}}, "format must be"),
