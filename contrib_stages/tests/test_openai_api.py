@@ -7,7 +7,6 @@ import base64
 import io
 import json
 import wave
-
 from importlib.resources import files
 
 import attrs
