@@ -193,6 +193,7 @@ class MicroBatcher(Worker, Generic[T, R]):
                 w.future.set_exception(result)
             else:
                 w.future.set_result(result)
+        self._handed_out()
 
     def _fail_all(self, exc: BaseException) -> None:
         waiting, self._waiting = self._waiting, deque()

@@ -476,6 +476,7 @@ class DecodeLoop(Worker):
             self._deliver(row, result)
             if row._left:
                 self._release(row)
+        self._handed_out()
 
     async def _isolate(self, rows: list[Row], exc: Exception) -> list[Any]:
         """``step(rows)`` raised: run each row alone; a lone step that raises fails its row."""

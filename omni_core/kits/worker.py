@@ -18,6 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..runtime.channel import send_together
+
 
 def is_async(fn: Callable) -> bool:
     """An ``async def`` function or method, a partial of one, or an object with an async
@@ -132,6 +134,12 @@ class Worker:
                 await worker
         self._fail_all(self.closed_error(f"{self.kind} {self.name!r} was closed"))
         self._calls.shutdown()
+
+    def _handed_out(self) -> None:
+        """One turn's results were handed to their callers' tasks: what those tasks send next
+        (chunks, results) leaves as one message per destination process
+        (:func:`omni_core.runtime.channel.send_together`), not one per row."""
+        send_together()
 
     # -- the worker task ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -179,9 +180,15 @@ class Outbox:
         self._pending: dict[str, list] = {}  # posted this loop turn, sent at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: deque | None = None
-        self._held = 0  # > 0 while an inbox drains: posts wait for its end
+        self._held = 0  # > 0 while an inbox drains or a step's outputs are made: posts wait for its end
+        self._step_held = 0  # > 0 while a step's outputs are made (send_together): no early sends
         self._posted = 0  # messages posted since pending was last empty
         self._flush_at = _FIRST_FLUSH  # ... at which count they leave without waiting for the end
+        #: zmq messages sent (or queued to be sent) per destination address, batches counted once.
+        self.sent: dict[str, int] = {}
+        #: What the steps' sends (:func:`send_together`) made: messages per destination per step.
+        self.step_sends = StepSends()
+        _outboxes.add(self)
 
     def _sock(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -249,7 +256,7 @@ class Outbox:
                 else:
                     queued.append((msg, frames))
                 self._posted += 1
-                if self._posted >= self._flush_at:
+                if self._posted >= self._flush_at and not self._step_held:
                     self._flush_at += min(self._flush_at, _FLUSH_STEP)
                     self._send_pending(reset=False)
                 return None
@@ -258,8 +265,13 @@ class Outbox:
                 pending[address] = [(msg, frames)]
                 loop.call_soon(self._send_pending)
                 return None
+            sent = self.sent
+            sent[address] = sent.get(address, 0) + 1
             if self._try(self._sock(address), msg, frames):
                 return None
+            return self._queue(address, msg, frames)
+        sent = self.sent
+        sent[address] = sent.get(address, 0) + 1
         return self._queue(address, msg, frames)
 
     def hold(self) -> None:
@@ -271,21 +283,45 @@ class Outbox:
         if not self._held and self._pending:
             self._send_pending()
 
+    def hold_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        """What the callbacks already scheduled on ``loop`` post (the tasks one batched step
+        woke) waits, without early sends, until they all ran, then leaves as one message per
+        destination (see :func:`send_together`)."""
+        self._held += 1
+        self._step_held += 1
+        loop.call_soon(self._release_step)
+
+    def _release_step(self) -> None:
+        self._held -= 1
+        self._step_held -= 1
+        if self._held or not self._pending:
+            return
+        counts: dict[str, tuple[int, int]] = {}
+        self._send_pending(counts=counts)
+        self.step_sends.record(counts)
+
     def flush(self) -> None:
         """Send what waits for the end of the turn or of a hold now."""
         if self._pending:
             self._send_pending()
 
-    def _send_pending(self, reset: bool = True) -> None:
+    def _send_pending(self, reset: bool = True, counts: dict[str, tuple[int, int]] | None = None) -> None:
         """Send what was posted during the last loop turn (or hold), order kept: several
         messages to one peer leave as one zmq message (:class:`~.wire.Batch`). ``reset=False``:
-        an early send in the middle of a turn or hold, whose flush schedule goes on."""
+        an early send in the middle of a turn or hold, whose flush schedule goes on. ``counts``
+        (a step's release) gets, per address, the zmq messages sent and the messages they carry."""
         pending, self._pending = self._pending, {}
         if reset:
             self._posted, self._flush_at = 0, _FIRST_FLUSH
+        sent = self.sent
         for address, messages in pending.items():
             sock = self._sock(address)
-            if self._backlog.get(address):
+            backlogged = bool(self._backlog.get(address))
+            n = len(messages) if backlogged else -(-len(messages) // _BATCH)  # zmq messages
+            sent[address] = sent.get(address, 0) + n
+            if counts is not None:
+                counts[address] = (n, len(messages))
+            if backlogged:
                 for msg, frames in messages:
                     self._queue(address, msg, frames)
                 continue
@@ -352,6 +388,78 @@ class Outbox:
         for sock in self._socks.values():
             sock.close(linger=linger_ms)
         self._socks.clear()
+
+
+@attrs.define
+class StepSends:
+    """What the releases of batched steps' outputs (:func:`send_together`) sent: ``steps`` that
+    sent anything, and per destination address the zmq ``messages`` sent, the messages they
+    ``carried`` (chunks, results, stream ends: one per row and output) and the ``most`` zmq
+    messages one step sent there (1: one message per step per destination)."""
+
+    steps: int = 0
+    messages: dict[str, int] = attrs.Factory(dict)
+    carried: dict[str, int] = attrs.Factory(dict)
+    most: dict[str, int] = attrs.Factory(dict)
+
+    def record(self, counts: dict[str, tuple[int, int]]) -> None:
+        if not counts:
+            return
+        self.steps += 1
+        for address, (sent, carried) in counts.items():
+            self.messages[address] = self.messages.get(address, 0) + sent
+            self.carried[address] = self.carried.get(address, 0) + carried
+            self.most[address] = max(self.most.get(address, 0), sent)
+
+    def add(self, other: StepSends) -> None:
+        self.steps += other.steps
+        for mine, theirs in ((self.messages, other.messages), (self.carried, other.carried)):
+            for address, n in theirs.items():
+                mine[address] = mine.get(address, 0) + n
+        for address, n in other.most.items():
+            self.most[address] = max(self.most.get(address, 0), n)
+
+
+#: Every outbox of this process (a stage process has one; a caller one per running pipeline).
+_outboxes: weakref.WeakSet[Outbox] = weakref.WeakSet()
+
+
+def send_together() -> None:
+    """One message per step per destination: call it right after handing one batched step's
+    results to the tasks waiting for them (a decode step's rows, a micro-batch's callers; the
+    kits of :mod:`omni_core.kits` do). What those tasks post before they next wait (chunks,
+    results, stream ends), in the next turn of the running event loop, leaves at its end as one
+    zmq message per destination process instead of being sent early in pieces (16, 32, 64 ...
+    messages) as a long turn's posts are; the receiver hands the messages out one by one, per
+    request, as if they came alone. A task whose send waits (no credit left, a relay put that
+    suspends) sends later, on its own. Outside an event loop, or with no outbox bound to it,
+    nothing happens."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    for outbox in list(_outboxes):
+        if outbox._loop is loop:
+            outbox.hold_step(loop)
+
+
+def step_sends() -> StepSends:
+    """What :func:`send_together` sent in this process so far, every outbox's summed (a test's or
+    a bench's count of messages per step per destination)."""
+    total = StepSends()
+    for outbox in list(_outboxes):
+        total.add(outbox.step_sends)
+    return total
+
+
+def messages_sent() -> dict[str, int]:
+    """zmq messages this process sent so far per destination address (a batch counts once),
+    every outbox's summed."""
+    total: dict[str, int] = {}
+    for outbox in list(_outboxes):
+        for address, n in outbox.sent.items():
+            total[address] = total.get(address, 0) + n
+    return total
 
 
 class Transport(Protocol):
