@@ -112,6 +112,9 @@ class Sampler:
 
         self.do_sample = bool(do_sample)
         self.generator = generator
+        # Samplers with equal settings run their processors on several rows at once (sample_rows).
+        self.settings = (self.do_sample, temperature, top_k, top_p, repetition_penalty,
+                         tuple(suppress_tokens or ()), str(device))
         procs = []
         if repetition_penalty is not None and repetition_penalty != 1.0:
             procs.append(lp.RepetitionPenaltyLogitsProcessor(repetition_penalty))
@@ -135,6 +138,46 @@ class Sampler:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
         return int(torch.argmax(scores, dim=-1)[0])
+
+
+def sample_rows(samplers: list[Sampler], ids: list[list[int]], logits: torch.Tensor) -> list[int]:
+    """One token per row (``logits`` [B, vocab], row i drawn by ``samplers[i]`` with ``ids[i]`` as
+    its sequence so far): equal, token for token, to calling each row's sampler alone.
+
+    Rows whose samplers have equal settings go through the logits processors as one [rows, vocab]
+    batch (each row's ids padded with its own first id, which the repetition penalty reads as
+    once more the same id); greedy rows take one argmax. A sampled row draws from its own
+    generator what ``torch.multinomial`` draws for one sample (``q ~ Exp(1)`` per token, then
+    the argmax of ``p / q``), so the per-request seeds keep their meaning; only those draws are
+    per row. A batch with a non-finite probability goes row by row, so the row at fault raises
+    ``torch.multinomial``'s own error."""
+    picks = [0] * len(samplers)
+    groups: dict[tuple, list[int]] = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault((sampler.settings, bool(ids[i])), []).append(i)
+    for rows in groups.values():
+        sampler = samplers[rows[0]]
+        index = torch.tensor(rows, device=logits.device)
+        scores = logits.index_select(0, index).to(dtype=torch.float32)
+        width = max(len(ids[i]) for i in rows)
+        sequence = torch.tensor([ids[i] + ids[i][:1] * (width - len(ids[i])) for i in rows], device=logits.device)
+        for proc in sampler.processors:
+            scores = proc(sequence, scores)
+        if not sampler.do_sample:
+            chosen = torch.argmax(scores, dim=-1)
+        else:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            if not bool(torch.isfinite(probs).all()):
+                for j, i in enumerate(rows):
+                    picks[i] = samplers[i](sequence[j:j + 1, :len(ids[i])], logits[i:i + 1])
+                continue
+            q = torch.empty_like(probs)
+            for j, i in enumerate(rows):
+                q[j].exponential_(1, generator=samplers[i].generator)
+            chosen = torch.argmax(probs / q, dim=-1)
+        for i, token in zip(rows, chosen.tolist(), strict=True):
+            picks[i] = int(token)
+    return picks
 
 
 class TextDecoder:
