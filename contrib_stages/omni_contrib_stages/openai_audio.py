@@ -58,7 +58,7 @@ import io
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from omni_core.options import Option, parse_options
@@ -341,6 +341,22 @@ def by_model(served: dict[str, list[Any]]) -> list[Any]:
     return out
 
 
+async def following(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A request's events from ``first`` (read before the response started; None: the stream had
+    ended) through the rest of ``events``, up to the result: that is the last one yielded (a
+    caller reading on after it gets nothing). What ``events`` raises passes through; closing
+    ``events`` stays the caller's (in its ``finally``), however its loop ends."""
+    event = first
+    while event is not None:
+        yield event
+        if event.is_result:
+            return
+        try:
+            event = await events.__anext__()
+        except StopAsyncIteration:
+            return
+
+
 def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> list[Any]:
     """The routes of ``kind`` (``asr``: transcriptions; ``tts``: speech) for the ``openai`` API,
     whose adapter options are ``opts`` (``opts["audio"]``: this module's mapping)."""
@@ -574,9 +590,8 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
 
         pieces: list[str] = []
         sent = ""
-        event = first
         try:
-            while event is not None:
+            async for event in following(first, events):
                 if event.is_result:
                     part, text = whole_text(event.data, pieces)
                     if text.startswith(sent) and text != sent:  # what the pieces lacked: one more delta
@@ -589,10 +604,6 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
                     pieces.append(piece)
                     sent += delta
                     yield sse({"type": "transcript.text.delta", "delta": delta})
-                try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    event = None
         except Exception as exc:
             _, body, _ = err_of(exc)
             yield sse({"type": "error", "error": body})
@@ -712,15 +723,10 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         rates: set[int] = set()
 
         async def collect() -> None:
-            event = first
-            while event is not None and not event.is_result:
+            async for event in following(first, events):
                 if (found := audio_chunk(event)) is not None:
                     pcm.extend(found[0])
                     rates.add(found[1])
-                try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    return
 
         try:
             await api.until_disconnect(request.receive, collect())
@@ -737,11 +743,10 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         return Response(encode(bytes(pcm), rate, req["format"]), media_type=_MEDIA[req["format"]])
 
     async def speech_bytes(first: Any, events: Any, req: dict[str, Any]) -> Any:
-        event = first
         started = False
         rate = None
         try:
-            while event is not None and not event.is_result:
+            async for event in following(first, events):
                 if (found := audio_chunk(event)) is not None:
                     data, chunk_rate = found
                     if rate is not None and chunk_rate != rate:
@@ -752,9 +757,6 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
                         yield wav_header(rate)
                     started = True
                     yield data
-                event = await events.__anext__()
-        except StopAsyncIteration:
-            pass
         except Exception as exc:  # the response has started: logged, the body ends short
             err_of(exc)
             return
@@ -767,20 +769,15 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         def sse(data: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
-        event = first
         chunks = 0
         try:
-            while event is not None:
+            async for event in following(first, events):
                 if event.is_result:
                     yield sse({"type": "speech.audio.done", "usage": speech_usage(event.data, req, chunks)})
                     return
                 if (found := audio_chunk(event)) is not None:
                     chunks += 1
                     yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(found[0]).decode()})
-                try:
-                    event = await events.__anext__()
-                except StopAsyncIteration:
-                    event = None
         except Exception as exc:
             _, body, _ = err_of(exc)
             yield sse({"type": "error", "error": body})
