@@ -12,10 +12,18 @@ A family subclasses :class:`StreamingVocoder` and fills its hooks:
   context before it and the look-ahead after it, as an object whose ``synthesis`` is the
   synthesis; None when nothing is left) and ``finish(window, out)`` (the chunk's samples from the
   window's model output, trimmed to its own frames). :class:`ChunkSchedule` holds the usual sizes
-  (first chunk, growth, largest chunk, left context, look-ahead, all aligned);
+  (first chunk, growth, largest chunk, left context, look-ahead, aligned by ``mode``:
+  :meth:`ChunkSchedule.for_mode`). ``plan`` runs on the event loop (keep it light: slicing, a
+  noise draw), ``finish`` on the batcher's thread;
 - ``run_windows(windows)``: the model on the planned windows of concurrent requests → one output
   per window (default: ``run_window`` on each);
+- ``batch_key(window)``: windows with equal keys can run in one ``run_windows`` call, and a batch
+  holds one key (default None: any windows together);
 - ``synthesize(frames, speaker, generator)``: the whole waveform at once (``stream: false``).
+
+Scheduling (:class:`ChunkBatcher`): a request's first chunk is served before other requests'
+later chunks (``first_chunk_priority``), and a later chunk passed over by ``max_passed_over``
+batches is served before any newer chunk, so no request starves.
 
 ``codebooks`` is the codes per frame the stage takes (a talker's ``CodesChunk.codebooks``); a frame
 is an int for 1, a list of ``codebooks`` ints otherwise. The stage streams ``{"audio",
@@ -27,12 +35,16 @@ caller (``relay_text``), writes a WAV as it goes when asked (``wav_path``), and 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omni_core.files import local_path
-from omni_core.kits import MicroBatcher
+from omni_core.kits import BatcherClosed, BatchError, BatchStats
+from omni_core.kits.worker import Worker
 
 from .chunks import AudioChunk, ChunkError, CodesChunk, TextChunk, codes_chunk
 from .sampling import make_generator, resolve_model_path
@@ -49,6 +61,19 @@ def stream_error(streamed: torch.Tensor, unchunked: torch.Tensor) -> tuple[float
     rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
     corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1]) if b.numel() > 1 else 1.0
     return rel, corr
+
+
+def stream_difference(streamed: torch.Tensor, unchunked: torch.Tensor) -> dict[str, float]:
+    """How far a streamed waveform is from the unchunked one: ``max_abs`` (the largest sample
+    difference), ``snr_db`` (the unchunked waveform's power over the difference's, in dB; inf when
+    equal), ``relative_error`` and ``correlation`` (:func:`stream_error`)."""
+    rel, corr = stream_error(streamed, unchunked)
+    diff = (streamed.double() - unchunked.double()).abs()
+    noise = float(diff.square().sum())
+    signal = float(unchunked.double().square().sum())
+    snr = float("inf") if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise)
+    return {"max_abs": float(diff.max()) if diff.numel() else 0.0, "snr_db": snr, "relative_error": rel,
+            "correlation": corr}
 
 
 def receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, limit: int = 1024) -> int:
@@ -74,15 +99,27 @@ def receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, li
     raise RuntimeError(f"the vocoder's receptive field is wider than {limit} mel frames on each side")
 
 
+#: How a streaming vocoder cuts its chunks (``mode``): ``exact`` keeps every chunk boundary and
+#: context on the model's own blocks (equal to the unchunked synthesis within the family's tested
+#: bound); ``fast`` starts at one frame, ramps up, and looks ahead less (the first audio sooner, a
+#: measured difference to the unchunked synthesis; docs/models.md).
+MODES = ("exact", "fast")
+
+
 class ChunkSchedule:
     """Chunk sizes in frames: the first ``first`` frames, each next one ``growth`` times larger up to
-    ``largest``; ``lookback`` frames of left context and ``lookahead`` frames after a chunk; every
-    size rounded up to a multiple of ``align``. Bad values are ``ValueError`` naming the option."""
+    ``largest`` (a ramp: 1, 2, 4 ... with ``first`` 1 and ``growth`` 2); ``lookback`` frames of left
+    context and ``lookahead`` frames after a chunk; every size rounded up to a multiple of
+    ``align``, and a chunk's window (its context included) starting on a multiple of
+    ``window_align`` (default ``align``). Bad values are ``ValueError`` naming the option.
+
+    :meth:`for_mode` builds a mode's schedule from a family's presets."""
 
     def __init__(self, first: int, growth: float, largest: int, lookahead: int, lookback: int, align: int = 1,
                  names: tuple[str, ...] = ("first_chunk_codes", "chunk_growth", "max_chunk_codes",
-                                           "lookahead_codes", "lookback_codes")):
+                                           "lookahead_codes", "lookback_codes"), window_align: int | None = None):
         self.align = align
+        self.window_align = align if window_align is None else window_align
         for name, value in ((names[0], first), (names[2], largest)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -97,8 +134,31 @@ class ChunkSchedule:
         self.lookahead = self.aligned(lookahead)
         self.lookback = self.aligned(lookback)
 
+    @classmethod
+    def for_mode(cls, mode: str, block: int, presets: dict[str, dict], **given) -> ChunkSchedule:
+        """``mode``'s schedule: its preset (``presets[mode]``: ``first``, ``growth``, ``largest``,
+        ``lookahead``, ``lookback``) with the ``given`` values that are not None over it. ``exact``
+        aligns every size and window to ``block`` frames (the model's attention block); ``fast``
+        cuts chunks anywhere but still starts each window on a block."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        values = {**presets[mode], **{k: v for k, v in given.items() if v is not None}}
+        return cls(values["first"], values["growth"], values["largest"], values["lookahead"], values["lookback"],
+                   align=block if mode == "exact" else 1, window_align=block)
+
     def aligned(self, frames: int) -> int:
         return -(-frames // self.align) * self.align
+
+    def window_start(self, start: int) -> int:
+        """Where the window of a chunk starting at frame ``start`` begins: ``lookback`` frames
+        before it, down to a multiple of ``window_align``."""
+        begin = max(0, start - self.lookback)
+        return begin // self.window_align * self.window_align
+
+    def first_ready(self, margin: int = 0) -> int:
+        """Frames that must have arrived before the first chunk can be made (``margin``: frames
+        the family needs past the look-ahead)."""
+        return self.first + self.lookahead + margin
 
     def next(self, size: int) -> int:
         return min(self.largest, self.aligned(int(size * self.growth)))
@@ -113,17 +173,142 @@ class ChunkSchedule:
         return sizes
 
 
+class _Chunk:
+    __slots__ = ("item", "future", "arrived", "first", "key", "seq", "passed")
+
+    def __init__(self, item: Any, future: asyncio.Future, arrived: float, first: bool, key: Hashable, seq: int):
+        self.item = item
+        self.future = future
+        self.arrived = arrived
+        self.first = first
+        self.key = key
+        self.seq = seq
+        self.passed = 0  # batches that ran while this chunk waited
+
+
+class ChunkBatcher(Worker):
+    """The vocoder's micro-batcher, scheduled for the first audio: ``submit(item, first=, key=)``
+    queues one chunk and returns its result. A batch is the waiting chunks of one ``key`` (what
+    the model runs together), led by the most urgent chunk: a request's first chunk before other
+    requests' later ones (``first_chunk_priority``), else the oldest. A chunk passed over by
+    ``max_passed_over`` batches becomes urgent too, and urgent chunks go oldest first, so a later
+    chunk waits at most ``max_passed_over`` batches plus one per urgent chunk older than it: no
+    request starves. ``max_batch_size`` / ``max_wait`` as ``omni_core.kits.MicroBatcher``'s (a
+    batch starts when that many chunks wait, or ``max_wait`` seconds after the oldest arrived);
+    its contract for ``fn`` too (a list of items → one result or exception per item; a plain
+    function runs on a worker thread)."""
+
+    kind = "batcher"
+    closed_error = BatcherClosed
+    broken_error = BatchError
+
+    def __init__(self, fn: Callable[[list], list], *, max_batch_size: int = 16, max_wait: float = 0.002,
+                 first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None):
+        for what, value, least in (("max_batch_size", max_batch_size, 1), ("max_passed_over", max_passed_over, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{what} must be an integer of at least {least}, got {value!r}")
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or max_wait < 0:
+            raise ValueError(f"max_wait must be a number of seconds of at least 0, got {max_wait!r}")
+        super().__init__(fn, name=name, thread_name="batcher")
+        self.max_batch_size = max_batch_size
+        self.max_wait = float(max_wait)
+        self.first_chunk_priority = bool(first_chunk_priority)
+        self.max_passed_over = max_passed_over
+        self.stats = BatchStats()
+        self._waiting: list[_Chunk] = []
+        self._seq = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        """Chunks waiting for a batch (cancelled ones excluded)."""
+        return sum(1 for c in self._waiting if not c.future.done())
+
+    async def submit(self, item: Any, *, first: bool = False, key: Hashable = None) -> Any:
+        """Queue one chunk (``first``: a request's first; ``key``: what it batches with) and
+        return its result (or raise its error)."""
+        self._check_open()
+        loop = self._bind()
+        future = loop.create_future()
+        self._waiting.append(_Chunk(item, future, loop.time(), first, key, next(self._seq)))
+        self._poke()
+        return await future
+
+    def _rank(self, chunk: _Chunk) -> tuple[bool, int]:
+        urgent = chunk.passed >= self.max_passed_over or (self.first_chunk_priority and chunk.first)
+        return not urgent, chunk.seq
+
+    def _choose(self) -> list[_Chunk]:
+        ranked = sorted(self._waiting, key=self._rank)
+        return [c for c in ranked if c.key == ranked[0].key][:self.max_batch_size]
+
+    async def _turn(self) -> bool:
+        self._waiting = [c for c in self._waiting if not c.future.done()]  # callers that gave up
+        if not self._waiting:
+            return False
+        assert self._loop is not None
+        deadline = min(c.arrived for c in self._waiting) + self.max_wait
+        if len(self._waiting) < self.max_batch_size and self._loop.time() < deadline:
+            await self._sleep(deadline)  # for more chunks, or the oldest one's deadline
+            return True
+        batch = self._choose()
+        chosen = set(map(id, batch))
+        self._waiting = [c for c in self._waiting if id(c) not in chosen]
+        for chunk in self._waiting:
+            chunk.passed += 1
+        await self._run(batch)
+        return True
+
+    async def _run(self, batch: list[_Chunk]) -> None:
+        self.stats.record(len(batch))
+        try:
+            results = list(await self._calls([c.item for c in batch]))
+            if len(results) != len(batch):
+                raise BatchError(f"batch function of batcher {self.name!r} returned {len(results)} results for "
+                                 f"{len(batch)} items; it must return one result per item, in order")
+        except asyncio.CancelledError:
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_exception(BatcherClosed(f"batcher {self.name!r} was closed while the batch ran"))
+            raise
+        except Exception as exc:
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_exception(exc)
+            return
+        for c, result in zip(batch, results, strict=True):
+            if c.future.done():
+                continue
+            if isinstance(result, BaseException):
+                c.future.set_exception(result)
+            else:
+                c.future.set_result(result)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        waiting, self._waiting = self._waiting, []
+        for c in waiting:
+            if not c.future.done():
+                c.future.set_exception(exc)
+
+    def _forget(self) -> None:
+        self._waiting = []
+
+
 class StreamingVocoder:
     """Codes → waveform, streamed as the talker's frames arrive (``stream: false``: one chunk once
-    the codes are all in). ``max_batch_size`` / ``max_wait``: the micro-batcher of the chunks of
-    concurrent requests."""
+    the codes are all in). ``mode``: ``exact`` or ``fast`` (:data:`MODES`; how the family cuts its
+    chunks). ``max_batch_size`` / ``max_wait`` / ``first_chunk_priority`` / ``max_passed_over``:
+    the :class:`ChunkBatcher` of the chunks of concurrent requests."""
 
     codebooks = 1
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32",
                  sample_rate: int = 24000, wav_path: str | None = None, source: str = "talker",
                  stream: bool = True, max_batch_size: int = 16, max_wait: float = 0.002,
-                 stage_name: str = "vocoder", relay_text: bool = True):
+                 stage_name: str = "vocoder", relay_text: bool = True, mode: str = "exact",
+                 first_chunk_priority: bool = True, max_passed_over: int = 4):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model = self.load_model(self.path, dtype=dtype, device=device)
@@ -132,7 +317,9 @@ class StreamingVocoder:
         self.source = source
         self.stream = stream
         self.relay_text = relay_text
-        self.batcher = MicroBatcher(self._chunks, max_batch_size=max_batch_size, max_wait=max_wait, name=stage_name)
+        self.batcher = ChunkBatcher(self._windows, max_batch_size=max_batch_size, max_wait=max_wait,
+                                    first_chunk_priority=first_chunk_priority, max_passed_over=max_passed_over,
+                                    name=stage_name)
 
     # -- hooks --------------------------------------------------------------------------------
     def load_model(self, path, *, dtype: str, device: str):
@@ -147,6 +334,9 @@ class StreamingVocoder:
     def run_windows(self, windows: list) -> list:
         return [self.run_window(w) for w in windows]
 
+    def batch_key(self, window) -> Hashable:
+        return None
+
     def run_window(self, window) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must run its model on a window (run_window)")
 
@@ -154,8 +344,20 @@ class StreamingVocoder:
         raise NotImplementedError(f"{type(self).__name__} must synthesise whole (synthesize)")
 
     # -- the chunks (a worker thread) -------------------------------------------------------------
+    def _windows(self, windows: list) -> list[torch.Tensor | Exception]:
+        """Each planned window's chunk (the batcher's function): the model on them all
+        (``run_windows``), then each synthesis's ``finish`` (a failure there is its request's alone)."""
+        with torch.inference_mode():
+            result: list = []
+            for w, out in zip(windows, self.run_windows(windows), strict=True):
+                try:
+                    result.append(w.synthesis.finish(w, out))
+                except Exception as exc:
+                    result.append(exc)
+            return result
+
     def _chunks(self, items: list[tuple[Any, list, bool]]) -> list[torch.Tensor | Exception]:
-        """The next chunk of each request (the micro-batcher's function)."""
+        """The next chunk of each request, planned and made in one call (empty: nothing left)."""
         with torch.inference_mode():
             windows: list = []
             for synthesis, frames, final in items:
@@ -163,20 +365,9 @@ class StreamingVocoder:
                     windows.append(synthesis.plan(frames, final))
                 except Exception as exc:  # this request's failure alone
                     windows.append(exc)
-            ready = [w for w in windows if w is not None and not isinstance(w, Exception)]
-            outs = dict(zip(map(id, ready), self.run_windows(ready), strict=True)) if ready else {}
-            result: list = []
-            for w in windows:
-                if w is None:
-                    result.append(torch.zeros(0))
-                elif isinstance(w, Exception):
-                    result.append(w)
-                else:
-                    try:
-                        result.append(w.synthesis.finish(w, outs[id(w)]))
-                    except Exception as exc:
-                        result.append(exc)
-            return result
+        ready = [w for w in windows if w is not None and not isinstance(w, Exception)]
+        made = iter(self._windows(ready) if ready else ())
+        return [torch.zeros(0) if w is None else w if isinstance(w, Exception) else next(made) for w in windows]
 
     def next_chunk(self, synthesis, frames: list, final: bool) -> torch.Tensor:
         """One request's next chunk computed alone (empty when nothing is left)."""
@@ -212,11 +403,16 @@ class StreamingVocoder:
                 wav = WavWriter(str(wav_path), self.sample_rate)
             if self.stream:
                 synthesis = self.new_synthesis(speaker, generator)
+                made = 0
                 while True:
                     await received.wait(lambda: synthesis.ready(len(received.codes), received.finished))
                     if synthesis.ready(len(received.codes), received.finished):
-                        frames, final = list(received.codes), received.finished
-                        audio = await self.batcher.submit((synthesis, frames, final))
+                        with torch.inference_mode():
+                            window = synthesis.plan(list(received.codes), received.finished)
+                        if window is None:  # nothing left
+                            continue
+                        audio = await self.batcher.submit(window, first=made == 0, key=self.batch_key(window))
+                        made += 1
                         if audio.numel():
                             await emit(audio)
                     elif received.finished:

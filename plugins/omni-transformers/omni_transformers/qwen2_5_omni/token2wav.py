@@ -1,5 +1,8 @@
 """The token2wav stage: codec codes -> waveform (DiT flow matching + BigVGAN), synthesised in chunks
-as the talker's codes arrive.
+as the talker's codes arrive, in one of two modes (``mode``): ``exact`` (the schedule below, every
+boundary on DiT blocks: equal to the unchunked synthesis within ``STREAM_MAX_RELATIVE_ERROR``) or
+``fast`` (chunks of 1, 2, 4 ... codes, less look-ahead, windows still starting on DiT blocks: the
+first audio after a few codes, within the measured ``FAST_*`` bounds; docs/models.md).
 
 The chunk schedule (``first_chunk_codes``, then chunks ``chunk_growth`` times larger, at most
 ``max_chunk_codes``) and the context each chunk is computed with follow the model's structure:
@@ -27,7 +30,14 @@ import attrs
 import torch
 
 from ..kit.sampling import torch_dtype
-from ..kit.vocoder import ChunkSchedule, StreamingVocoder, WavWriter, receptive_field, stream_error  # noqa: F401
+from ..kit.vocoder import (  # noqa: F401
+    ChunkSchedule,
+    StreamingVocoder,
+    WavWriter,
+    receptive_field,
+    stream_difference,
+    stream_error,
+)
 from .common import DEFAULT_SPEAKER, sample_rate_of
 from .parts import load_part, load_speakers, speaker_params
 
@@ -37,6 +47,19 @@ from .parts import load_part, load_speakers, speaker_params
 STREAM_MAX_RELATIVE_ERROR = 1e-4
 STREAM_MIN_CORRELATION = 0.9999
 
+
+#: Each mode's chunk schedule in codes (``first_chunk_codes``, ``chunk_growth``, ``max_chunk_codes``,
+#: ``lookahead_codes``, ``lookback_codes`` given to the stage override it).
+SCHEDULES = {
+    "exact": {"first": 4, "growth": 2.0, "largest": 256, "lookahead": 8, "lookback": 8},
+    "fast": {"first": 1, "growth": 2.0, "largest": 256, "lookahead": 2, "lookback": 8},
+}
+
+#: fast mode's stated bound against the unchunked synthesis (relative RMS error, i.e. an SNR of at
+#: least 46 dB, and correlation): measured on the tiny checkpoints at most 1.5e-3 (SNR 57 dB and up,
+#: docs/models.md); the tests hold it to these.
+FAST_MAX_RELATIVE_ERROR = 5e-3
+FAST_MIN_CORRELATION = 0.9999
 
 #: Chunks of concurrent requests share the DiT's forward; a row of a batched matrix product may differ
 #: from the lone one in the last bits of float32, so a request's waveform beside others equals its
@@ -49,31 +72,38 @@ class Token2Wav(StreamingVocoder):
     as the talker's codes arrive (``stream: false``: one chunk once the codes are all in, equal to
     ``generate``'s). Forwards the text chunks to the caller as they come; returns the whole result.
 
-    Chunk schedule: the first chunk holds ``first_chunk_codes`` codes and is synthesised once
-    ``lookahead_codes`` more have arrived; each next chunk is ``chunk_growth`` times larger, up to
-    ``max_chunk_codes``; when the talker ends, the rest comes as one chunk. Chunk boundaries and
-    context are rounded up to whole DiT blocks."""
+    Chunk schedule (``mode``'s preset in :data:`SCHEDULES`, each value overridable): the first
+    chunk holds ``first_chunk_codes`` codes and is synthesised once ``lookahead_codes`` more have
+    arrived; each next chunk is ``chunk_growth`` times larger, up to ``max_chunk_codes``; when the
+    talker ends, the rest comes as one chunk. ``exact``: chunk boundaries and context rounded up
+    to whole DiT blocks; ``fast``: boundaries anywhere, each window starting on a block.
+    ``first_chunk_priority`` / ``max_passed_over``: the batcher serves first chunks before later
+    ones, a later chunk at most that many batches late (``kit.vocoder.ChunkBatcher``)."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
                  wav_path: str | None = None, source: str = "talker", stream: bool = True,
-                 first_chunk_codes: int = 4, chunk_growth: float = 2.0, max_chunk_codes: int = 256,
-                 lookahead_codes: int = 8, lookback_codes: int = 8, vocoder_context: int | None = None,
+                 first_chunk_codes: int | None = None, chunk_growth: float | None = None,
+                 max_chunk_codes: int | None = None, lookahead_codes: int | None = None,
+                 lookback_codes: int | None = None, vocoder_context: int | None = None,
                  max_batch_size: int = 16, max_wait: float = 0.002, stage_name: str = "token2wav",
-                 relay_text: bool = True):
+                 relay_text: bool = True, mode: str = "exact", first_chunk_priority: bool = True,
+                 max_passed_over: int = 4):
         if torch_dtype(dtype, torch.float32) != torch.float32:
             raise ValueError("token2wav runs in float32 (as transformers runs it); set dtype: float32")
         super().__init__(model, device=device, dtype=dtype, sample_rate=sample_rate or 24000, wav_path=wav_path,
                          source=source, stream=stream, max_batch_size=max_batch_size, max_wait=max_wait,
-                         stage_name=stage_name, relay_text=relay_text)
+                         stage_name=stage_name, relay_text=relay_text, mode=mode,
+                         first_chunk_priority=first_chunk_priority, max_passed_over=max_passed_over)
         self.sample_rate = sample_rate or sample_rate_of(self.path)
         self.speakers = load_speakers(self.path)
         self.options = {"num_steps": num_steps, "guidance_scale": guidance_scale, "sway_coefficient": sway_coefficient}
         dit = self.model.code2wav_dit_model
         self.repeats = dit.repeats
         # Chunk boundaries fall on DiT block boundaries: `align` codes make whole blocks.
-        self.schedule = ChunkSchedule(first_chunk_codes, chunk_growth, max_chunk_codes, lookahead_codes,
-                                      lookback_codes, align=math.lcm(dit.block_size, dit.repeats) // dit.repeats)
+        self.schedule = ChunkSchedule.for_mode(mode, math.lcm(dit.block_size, dit.repeats) // dit.repeats, SCHEDULES,
+                                               first=first_chunk_codes, growth=chunk_growth, largest=max_chunk_codes,
+                                               lookahead=lookahead_codes, lookback=lookback_codes)
         vocoder = self.model.code2wav_bigvgan_model
         self.hop = math.prod(vocoder.config.upsample_rates)
         if vocoder_context is None:
@@ -88,6 +118,10 @@ class Token2Wav(StreamingVocoder):
 
     def new_synthesis(self, speaker: dict, generator: torch.Generator) -> ChunkedSynthesis:
         return ChunkedSynthesis(self, speaker, generator)
+
+    def batch_key(self, window: _Window) -> tuple:
+        """Windows of one length and one reference-mel shape run in one ODE."""
+        return len(window.codes), tuple(window.synthesis.speaker["ref_mel"].shape)
 
     def chunk_schedule(self, total: int | None = None) -> list[int]:
         """The chunk sizes in codes (for ``total`` codes, the last one what is left)."""
@@ -226,7 +260,7 @@ class ChunkedSynthesis:
         if end <= start:
             self.finished = final
             return None
-        window_start = max(0, start - stage.schedule.lookback)
+        window_start = stage.schedule.window_start(start)
         noise = self._noise(window_end * rep, n * rep if final else None)[window_start * rep:]
         return _Window(self, codes[window_start:window_end], noise, window_start, start, end, scheduled, final)
 
