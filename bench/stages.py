@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -132,4 +133,102 @@ def stream_pair(*, relay: str = "auto", options: dict | None = None, hidden: int
         ],
         "relay": {"backend": relay, "options": dict(options or {})},
         **fields,
+    }
+
+
+class StepSource:
+    """A decode loop of up to ``rows`` rows (the kit's :class:`~omni_core.kits.DecodeLoop`, its
+    step a trivial loop in the worker thread): a request ``{"tokens"}`` joins once ``rows``
+    requests of its round arrived, then emits one chunk per step, ``{"tok": i, "h": <[1, 1,
+    hidden] bfloat16>}`` (a thinker's token and hidden state). ``together: false`` turns the
+    kit's one-message-per-step send off (the runtime before it), for a comparison in one run.
+    ``{"report": true}`` returns the loop's steps and this process's zmq messages per
+    destination (``omni_core.runtime.channel.messages_sent``)."""
+
+    def __init__(self, rows: int = 16, hidden: int = 256, together: bool = True):
+        from omni_core.kits import DecodeLoop
+
+        self.loop = DecodeLoop(self.step, max_batch_size=rows, name="bench-steps")
+        if not together:
+            self.loop._handed_out = lambda: None  # type: ignore[method-assign]  # the runtime before
+        self.rows = rows
+        self.bank = [torch.full((1, 1, hidden), float(v), dtype=torch.bfloat16) for v in range(256)]
+        self._arrived = 0
+        self._round: Any = None
+
+    def step(self, rows):
+        out = []
+        for row in rows:
+            state = row.state
+            out.append(state["made"])
+            state["made"] += 1
+            if state["made"] >= state["tokens"]:
+                row.finish()
+        return out
+
+    async def _gate(self) -> None:
+        import asyncio
+
+        if self._round is None:
+            self._round = asyncio.Event()
+        gate = self._round
+        self._arrived += 1
+        if self._arrived >= self.rows:
+            self._arrived, self._round = 0, None
+            gate.set()
+            await asyncio.sleep(0)  # join after the others, which the set just woke
+        await gate.wait()
+
+    async def __call__(self, payload, ctx):
+        if payload.get("report"):
+            from omni_core.runtime.channel import messages_sent
+
+            return {"steps": self.loop.stats.steps, "sent": messages_sent()}
+        await self._gate()
+        state = {"tokens": int(payload["tokens"]), "made": 0}
+        emit, bank = ctx.emit, self.bank
+        async with self.loop.join(state) as seq:
+            async for tok in seq:
+                await emit({"tok": tok, "h": bank[tok & 255]})
+        return {"n": state["made"]}
+
+    async def close(self):
+        await self.loop.close()
+
+
+def token_only(chunk):
+    """``project_stream`` to the caller: the token without the hidden state."""
+    return {"tok": chunk["tok"]}
+
+
+class StepReader:
+    """Reads the stream from ``source`` (starting on its first chunk), checks the order of
+    ``tok``, and returns ``{"n", "bad"}`` (the source's report, for a report)."""
+
+    def __init__(self, source: str = "stepper"):
+        self.source = source
+
+    async def __call__(self, payload, ctx):
+        n = bad = 0
+        async for chunk in ctx.stream_from(self.source):
+            bad += chunk["tok"] != n
+            n += 1
+        result = await ctx.payload()
+        return result if "steps" in result else {"n": n, "bad": bad}
+
+
+def steps_pipeline(rows: int, *, together: bool = True, hidden: int = 256, name: str = "bench-steps") -> dict:
+    """``stepper`` (a :class:`StepSource` of ``rows`` rows) streams every token with its hidden
+    state to ``reader`` (another process) and the token alone to the caller."""
+    return {
+        "name": name,
+        "stages": [
+            {"name": "stepper", "factory": "bench.stages:StepSource",
+             "args": {"rows": rows, "hidden": hidden, "together": together},
+             "stream_to": ["reader", "caller"], "project_stream": {"caller": "bench.stages:token_only"},
+             "next": "reader", "max_concurrency": rows + 1},
+            {"name": "reader", "factory": "bench.stages:StepReader", "terminal": True,
+             "can_accept_stream_before_payload": True, "max_concurrency": rows + 1},
+        ],
+        "limits": {"max_in_flight": 2 * rows + 2},
     }
