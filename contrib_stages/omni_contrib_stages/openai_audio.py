@@ -41,9 +41,11 @@ Transcriptions take OpenAI's multipart form (``file``, ``model``, ``language``, 
 FLAC, OGG or MP3 (whatever soundfile reads), mono or mixed down to mono. Speech takes OpenAI's JSON
 body (``model``, ``input``, ``voice``, ``response_format`` wav | pcm | flac | mp3 | opus,
 ``speed``, ``instructions``, ``stream_format`` audio | sse) and answers the audio as it is made: a
-chunked body (``wav`` with an open-ended header, ``pcm``: raw 16-bit little-endian mono at the
-pipeline's rate, in the ``x-sample-rate`` header), or with ``stream_format: "sse"`` the
-``speech.audio.delta`` {audio: base64} events and a ``speech.audio.done`` {usage}. flac, mp3 and
+chunked body (``wav`` with an open-ended header at the pipeline's rate, ``pcm``: raw 16-bit
+little-endian mono at 24 kHz as OpenAI documents it, resampled as a stream by :class:`Resampler`
+when the pipeline's rate differs; the ``x-sample-rate`` header says the rate), or with
+``stream_format: "sse"`` the ``speech.audio.delta`` {audio: base64 PCM16 at 24 kHz} events and a
+``speech.audio.done`` {usage}. flac, mp3 and
 opus are encoded whole at the end with soundfile when its libsndfile writes them (else 400 naming
 the formats it does); aac is refused (400). ``Accept`` is never negotiated on.
 
@@ -99,6 +101,9 @@ TRANSCRIPTION_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 SPEECH_FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format")
 #: Speech formats answered as they are made, and those encoded whole with soundfile (when it can).
 STREAMED_FORMATS = ("wav", "pcm")
+#: OpenAI's raw speech audio (``response_format: pcm``, and the SSE deltas): 16-bit little-endian
+#: mono PCM at 24 kHz, whatever rate the pipeline speaks at.
+PCM_RATE = 24000
 ENCODED_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 
@@ -339,6 +344,41 @@ def by_model(served: dict[str, list[Any]]) -> list[Any]:
             endpoint = dispatcher(path, method, endpoints)
         out.append(Route(path, endpoint, methods=[method]))
     return out
+
+
+class Resampler:
+    """PCM16 chunks at the pipeline's rate in, PCM16 at ``rate`` out, as a stream: soxr's
+    ``ResampleStream`` keeps its filter state from chunk to chunk, so the pieces joined are the
+    whole resampled at once (within a least significant bit or two), with no click at chunk edges.
+    At the target rate already, chunks pass through untouched. :meth:`flush` gives the samples the
+    filter still holds, once the last chunk is in."""
+
+    def __init__(self, rate: int = PCM_RATE):
+        self.rate = rate
+        self._source: int | None = None
+        self._stream: Any = None
+
+    def push(self, pcm: bytes, source: int) -> bytes:
+        import numpy as np
+
+        if self._source is None:
+            self._source = source
+            if source != self.rate:
+                import soxr
+
+                self._stream = soxr.ResampleStream(source, self.rate, 1, dtype="int16")
+        elif source != self._source:
+            raise ValueError(f"the audio's sample rate changed from {self._source} to {source} Hz mid-stream")
+        if self._stream is None:
+            return pcm
+        return self._stream.resample_chunk(np.frombuffer(pcm, dtype="<i2")).astype("<i2").tobytes()
+
+    def flush(self) -> bytes:
+        import numpy as np
+
+        if self._stream is None:
+            return b""
+        return self._stream.resample_chunk(np.zeros(0, dtype="<i2"), last=True).astype("<i2").tobytes()
 
 
 async def following(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -717,7 +757,7 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
         if req["format"] in STREAMED_FORMATS:
             return StreamingResponse(speech_bytes(first, events, req), media_type=(
                 "audio/wav" if req["format"] == "wav" else "audio/pcm"),
-                headers={"x-sample-rate": str(opts["sample_rate"])})
+                headers={"x-sample-rate": str(opts["sample_rate"] if req["format"] == "wav" else PCM_RATE)})
         # flac, mp3, opus: encoded whole once the audio is all there
         pcm = bytearray()
         rates: set[int] = set()
@@ -745,6 +785,7 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
     async def speech_bytes(first: Any, events: Any, req: dict[str, Any]) -> Any:
         started = False
         rate = None
+        pcm = Resampler() if req["format"] == "pcm" else None  # raw PCM is 24 kHz, as OpenAI's
         try:
             async for event in following(first, events):
                 if (found := audio_chunk(event)) is not None:
@@ -756,7 +797,12 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
                     if not started and req["format"] == "wav":
                         yield wav_header(rate)
                     started = True
-                    yield data
+                    if pcm is not None:
+                        data = pcm.push(data, chunk_rate)
+                    if data:
+                        yield data
+            if pcm is not None and (rest := pcm.flush()):
+                yield rest
         except Exception as exc:  # the response has started: logged, the body ends short
             err_of(exc)
             return
@@ -770,14 +816,18 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
         chunks = 0
+        pcm = Resampler()  # the deltas are raw PCM: 24 kHz, as OpenAI's
         try:
             async for event in following(first, events):
                 if event.is_result:
+                    if rest := pcm.flush():
+                        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(rest).decode()})
                     yield sse({"type": "speech.audio.done", "usage": speech_usage(event.data, req, chunks)})
                     return
                 if (found := audio_chunk(event)) is not None:
                     chunks += 1
-                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(found[0]).decode()})
+                    if data := pcm.push(*found):
+                        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         except Exception as exc:
             _, body, _ = err_of(exc)
             yield sse({"type": "error", "error": body})

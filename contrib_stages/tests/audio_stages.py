@@ -55,10 +55,10 @@ class Transcriber:
                 "prompt_tokens": len(words), "completion_tokens": len(words)}
 
 
-def speak(text: str, samples_per_char: int, speed: float = 1.0) -> list[np.ndarray]:
-    """One float32 tone per character of ``text``."""
+def speak(text: str, samples_per_char: int, speed: float = 1.0, rate: int = RATE) -> list[np.ndarray]:
+    """One float32 tone per character of ``text``, at ``rate`` Hz."""
     n = max(1, round(samples_per_char / speed))
-    t = np.arange(n) / RATE
+    t = np.arange(n) / rate
     return [(0.5 * np.sin(2 * np.pi * (200 + 10 * (ord(c) % 64)) * t)).astype(np.float32) for c in text]
 
 
@@ -79,8 +79,9 @@ async def hold(name: str, deadline: float = 60.0) -> None:
 
 
 class Speaker:
-    def __init__(self, samples_per_char: int = 480):
+    def __init__(self, samples_per_char: int = 480, rate: int = RATE):
         self.samples_per_char = samples_per_char
+        self.rate = rate
 
     async def __call__(self, inputs: dict[str, Any], ctx: Any) -> dict[str, Any]:
         text = inputs["text"]
@@ -89,9 +90,9 @@ class Speaker:
         voice = inputs.get("voice")
         if voice not in (None, "0", "1"):
             raise InvalidInput(f"unknown voice {voice!r}", field="voice")
-        tones = speak(text, self.samples_per_char, inputs.get("speed", 1.0))
+        tones = speak(text, self.samples_per_char, inputs.get("speed", 1.0), self.rate)
         for index, tone in enumerate(tones):
-            await ctx.emit({"pcm16": torch.from_numpy(tone), "sample_rate": RATE})
+            await ctx.emit({"pcm16": torch.from_numpy(tone), "sample_rate": self.rate})
             if index == 0 and text.startswith("hold"):
                 await hold(text)
         return {"prompt_tokens": len(text), "completion_tokens": len(tones)}

@@ -372,6 +372,49 @@ def test_speech_as_server_sent_events(tts_client):
     assert events[-1]["usage"] == {"input_tokens": 3, "output_tokens": 3, "total_tokens": 6}
 
 
+@pytest.fixture(scope="module")
+def tts16k(tmp_path_factory):
+    """The toy TTS speaking at 16 kHz (20 ms per character)."""
+    config = TTS.replace("    terminal: true\n", "    terminal: true\n    args: {samples_per_char: 320, rate: 16000}\n", 1)
+    config = config.replace("sample_rate: 24000", "sample_rate: 16000")
+    with serve(tmp_path_factory, "tts16k", config) as srv:
+        yield srv
+
+
+def dominant_hz(pcm: bytes, rate: int) -> float:
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float64)
+    return float(np.argmax(np.abs(np.fft.rfft(samples))) * rate / len(samples))
+
+
+def test_speech_pcm_is_24khz_whatever_the_pipelines_rate(tts16k, posts):
+    """OpenAI's pcm is 16-bit mono at 24 kHz: a 16 kHz pipeline's audio is resampled as it streams
+    (the pieces joined equal the whole resampled at once), the WAV keeps the pipeline's rate."""
+    import soxr
+
+    text = "resample me"
+    native = np.concatenate(speak(text, 320, rate=16000))
+    native_pcm = np.rint(np.clip(native, -1, 1) * np.float32(32767)).astype("<i2")
+    whole = soxr.resample(native_pcm, 16000, 24000)
+    with sdk(tts16k, posts) as client:
+        with client.audio.speech.with_streaming_response.create(model="tts", voice="0", input=text,
+                                                                response_format="pcm") as r:
+            assert r.headers["x-sample-rate"] == "24000"
+            pcm = b"".join(r.iter_bytes())
+        with client.audio.speech.with_streaming_response.create(model="tts", voice="0", input=text,
+                                                                response_format="pcm", stream_format="sse") as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        wav = client.audio.speech.create(model="tts", voice="0", input=text, response_format="wav").content
+    got = np.frombuffer(pcm, dtype="<i2")
+    assert len(got) == len(native_pcm) * 3 // 2 == len(whole)  # 1.5 times the samples: 24 kHz
+    assert np.abs(got.astype(np.int32) - whole.astype(np.int32)).max() <= 2
+    # each character's tone keeps its pitch at the new rate (200 + 10 * (ord(c) % 64) Hz, 30 samples a tone)
+    first = pcm[: 480 * 2]
+    assert abs(dominant_hz(first, 24000) - (200 + 10 * (ord("r") % 64))) <= 50
+    assert events[-1]["type"] == "speech.audio.done"
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == pcm
+    assert struct.unpack("<HHI", wav[20:28]) == (1, 1, 16000) and wav[44:] == native_pcm.tobytes()
+
+
 def test_speech_as_flac_decodes_to_the_same_samples(tts_client):
     flac = tts_client.audio.speech.create(model="tts", voice="0", input="flac", response_format="flac").content
     samples, rate = soundfile.read(io.BytesIO(flac), dtype="int16")
