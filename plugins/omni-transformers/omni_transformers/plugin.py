@@ -40,6 +40,8 @@ def omni_register_stages(register):
              description="Qwen3-Omni inputs (chat messages, text parts) -> input_ids", check=check)
     register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",
              description="Qwen3-Omni MoE thinker: text tokens, batched across requests", check=check)
+    register("transformers.whisper.asr", "omni_transformers.whisper.asr:Transcriber",
+             description="Whisper: audio -> text, concurrent requests batched, text streamed", check=check)
 
 
 @omni_core.hookimpl
@@ -67,6 +69,8 @@ def omni_register_pipelines(register):
              description="qwen2_5_omni.split placed on the GPUs there are (spread)")
     register("qwen3_omni", "omni_transformers:pipelines/qwen3_omni.yaml",
              description="Qwen3-Omni: processor + MoE thinker in one process, text only so far")
+    register("whisper", "omni_transformers:pipelines/whisper.yaml",
+             description="Whisper speech recognition (served as OpenAI's /v1/audio/transcriptions)")
 
 
 @omni_core.hookimpl
@@ -75,3 +79,5 @@ def omni_register_families(register):
              pipeline="qwen2_5_omni", description="Qwen2.5-Omni: thinker, talker (one code per frame), DiT + BigVGAN")
     register("qwen3_omni", "omni_transformers.qwen3_omni:FAMILY", model_types=["qwen3_omni_moe"],
              pipeline="qwen3_omni", description="Qwen3-Omni: MoE thinker (text only so far); talker and code2wav to come")
+    register("whisper", "omni_transformers.whisper:FAMILY", model_types=["whisper"], pipeline="whisper",
+             description="Whisper: speech recognition (encoder + decoder, batched)")
