@@ -1,7 +1,8 @@
 """Start-up and latency of a pipeline against one process running ``generate``:
 ``python -m omni_transformers.measure CHECKPOINT [--pipeline qwen2_5_omni ...] [--requests 5]
 [--preload both|on|off] [--rounds 1] [--no-single]``; batching across requests with
-``--batching [--in-flight 1,4,16,64]``.
+``--batching [--in-flight 1,4,16,64]``; time to first audio under load with ``--first-audio
+1,4,16,64 [--modes before,exact,fast]`` (token2wav's chunk modes side by side in one run).
 
 Prints one JSON line per measurement. The single-process numbers are taken in a fresh
 interpreter (import transformers, load the whole model, generate), the pipeline's with omni.
@@ -79,10 +80,32 @@ async def pipeline_numbers(name: str, n: int, preload: bool) -> dict:
     }
 
 
-async def first_audio_numbers(name: str, in_flight: list[int], requests: int, inputs: dict) -> list[dict]:
+#: ``--modes``: the stage arguments of each variant measured by ``--first-audio`` (``before``: exact
+#: chunks, first-come batching, the talker's codes 16 at a time and no yielding to a first chunk:
+#: the scheduling before the fast mode, but for the batched talker sampling).
+MODES = {
+    "before": {"token2wav": {"mode": "exact", "first_chunk_priority": False},
+               "talker": {"first_codes_per_chunk": 16, "yield_to_first_audio": 0}},
+    "exact": {"token2wav": {"mode": "exact"}},
+    "fast": {"token2wav": {"mode": "fast"}},
+}
+
+
+def with_stage_args(cfg, changes: dict[str, dict]):
+    """``cfg`` with ``changes[stage]`` laid over each named stage's arguments."""
+    import attrs
+
+    stages = [attrs.evolve(s, args={**s.args, **changes[s.name]}) if s.name in changes else s for s in cfg.stages]
+    return attrs.evolve(cfg, stages=stages)
+
+
+async def first_audio_numbers(name: str, in_flight: list[int], requests: int, inputs: dict,
+                              stage_args: dict[str, dict] | None = None) -> list[dict]:
     """Time to first audio under load: ``c`` streamed requests at a time (closed loop, each
     finished request replaced at once) for each ``c`` of ``in_flight``; p50/p99 of the first audio
-    chunk, of the whole request, their ratio and the audio chunks per request."""
+    chunk, of the whole request, their ratio, the audio chunks per request, requests/s and, against
+    the first level, the first audio's and the rate's multiples. ``stage_args``: arguments laid
+    over the pipeline's stages (a mode of :data:`MODES`)."""
     from omni_core import Pipeline, load_config
     from omni_core.plugins import load_plugins
 
@@ -91,7 +114,8 @@ async def first_audio_numbers(name: str, in_flight: list[int], requests: int, in
         return round(values[min(len(values) - 1, int(q * len(values)))], 4)
 
     out = []
-    async with Pipeline(load_config(name, registry=load_plugins().registry)) as p:
+    cfg = with_stage_args(load_config(name, registry=load_plugins().registry), stage_args or {})
+    async with Pipeline(cfg) as p:
         async def one(seed):
             t = time.perf_counter()
             first = None
@@ -121,6 +145,9 @@ async def first_audio_numbers(name: str, in_flight: list[int], requests: int, in
                         "first_audio_over_request_p50": pct([r[0] / r[1] for r in runs if r[0] is not None], 0.5),
                         "audio_chunks_p50": pct([r[2] for r in runs], 0.5), "codes_p50": pct([r[3] for r in runs], 0.5),
                         "requests_per_s": round(len(runs) / elapsed, 2)})
+            out[-1]["first_audio_x_first_level"] = round(out[-1]["first_audio_p50_s"] / out[0]["first_audio_p50_s"], 2)
+            out[-1]["requests_per_s_x_first_level"] = round(out[-1]["requests_per_s"] / out[0]["requests_per_s"], 2)
+            print(json.dumps({"what": f"{name} first audio", **out[-1]}), flush=True)
     return out
 
 
@@ -249,6 +276,18 @@ def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_token
         asyncio.run(pipeline_batching(name, levels, modes))
 
 
+def first_audio_table(rows: list[dict]) -> str:
+    """The ``--first-audio`` rows as a Markdown table (multiples against each variant's first level)."""
+    lines = ["| pipeline | mode | in flight | requests/s | × | first audio p50 | × | request p50 | "
+             "first audio ÷ request | codes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['pipeline']} | {r['mode']} | {r['in_flight']} | {r['requests_per_s']} | "
+                     f"{r['requests_per_s_x_first_level']} | {r['first_audio_p50_s'] * 1e3:.0f} ms | "
+                     f"{r['first_audio_x_first_level']} | {r['request_p50_s'] * 1e3:.0f} ms | "
+                     f"{r['first_audio_over_request_p50']} | {r['codes_p50']:g} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_transformers.measure")
     parser.add_argument("checkpoint")
@@ -266,6 +305,18 @@ def main(argv=None) -> int:
                              "instead of the rest")
     parser.add_argument("--talker-max-new-tokens", type=int, default=None,
                         help="codes per reply at most (default: the inputs' 60)")
+    parser.add_argument("--modes", default=None, metavar="M,M,...",
+                        help=f"with --first-audio: measure these variants one after the other in one run "
+                             f"({', '.join(MODES)}; before: exact chunks, first-come batching, the talker's codes "
+                             f"16 at a time, no yielding to first chunks), each against the first level "
+                             f"(default: the pipeline as shipped)")
+    parser.add_argument("--text", default=None,
+                        help="with --first-audio: the request's text (through the chat template) instead of "
+                             "the fixed prompt ids")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="with --first-audio: thinker tokens per reply at most (default: the inputs' 12)")
+    parser.add_argument("--talker-greedy", action="store_true",
+                        help="with --first-audio: a greedy talker (talker_do_sample: false)")
     parser.add_argument("--batching", action="store_true",
                         help="measure batching across requests at --in-flight levels instead")
     parser.add_argument("--in-flight", default="1,4,16,64", help="comma-separated levels (with --batching)")
@@ -285,10 +336,25 @@ def main(argv=None) -> int:
         inputs = dict(INPUTS)
         if args.talker_max_new_tokens:
             inputs["talker_max_new_tokens"] = args.talker_max_new_tokens
+        if args.max_new_tokens:
+            inputs["max_new_tokens"] = args.max_new_tokens
+        if args.text:
+            del inputs["input_ids"]
+            inputs["text"] = args.text
+        if args.talker_greedy:
+            inputs["talker_do_sample"] = False
         levels = [int(x) for x in args.first_audio.split(",")]
+        modes = [m.strip() for m in args.modes.split(",")] if args.modes else [None]
+        unknown = [m for m in modes if m is not None and m not in MODES]
+        if unknown:
+            parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        table = []
         for pipeline in args.pipeline or ["qwen2_5_omni"]:
-            for row in asyncio.run(first_audio_numbers(pipeline, levels, args.requests, inputs)):
-                print(json.dumps({"what": f"{pipeline} first audio", **row}), flush=True)
+            for mode in modes:
+                for row in asyncio.run(first_audio_numbers(pipeline, levels, args.requests, inputs,
+                                                           MODES.get(mode))):
+                    table.append({"pipeline": pipeline, "mode": mode or "as shipped", **row})
+        print(first_audio_table(table), flush=True)
         return 0
     if not args.no_single:
         out = subprocess.run(

@@ -20,8 +20,8 @@ from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 from omni_transformers.qwen2_5_omni.processor import Processor
 from omni_transformers.qwen2_5_omni.token2wav import (
     BATCHED_MAX_RELATIVE_ERROR,
-    STREAM_MAX_RELATIVE_ERROR,
-    STREAM_MIN_CORRELATION,
+    FAST_MAX_RELATIVE_ERROR,
+    FAST_MIN_CORRELATION,
     stream_error,
 )
 
@@ -124,9 +124,10 @@ def check(inputs, chunks, result, want_tokens, unchunked) -> None:
     assert torch.equal(torch.cat(audio), result["audio"])
     if len(result["codes"]) >= 64:
         assert len(audio) >= 3
-    # streamed speech within the stated bound of the unchunked synthesis of the same codes
+    # streamed speech within the stated bound of the unchunked synthesis of the same codes (the
+    # shipped pipelines' token2wav runs in fast mode)
     rel, corr = stream_error(result["audio"], unchunked(result["codes"], inputs["seed"]))
-    assert rel <= STREAM_MAX_RELATIVE_ERROR and corr >= STREAM_MIN_CORRELATION, (rel, corr)
+    assert rel <= FAST_MAX_RELATIVE_ERROR and corr >= FAST_MIN_CORRELATION, (rel, corr)
 
 
 def pipeline_config(name: str):

@@ -46,6 +46,7 @@ from omni_core.kits import NO_OUTPUT, DecodeLoop
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import CodesChunk, TextChunk, ThinkerEnd, ThinkerHead, thinker_chunk
 from .sampling import Sampler, make_generator, resolve_model_path, sample_rows
+from .vocoder import FIRST_CHUNKS
 from .streams import USAGE_KEYS, StreamProgress, request_seed
 
 
@@ -86,7 +87,9 @@ class CodecTalker:
     ``max_prefill_tokens`` bound the batch as for the thinker; a chunk of frames goes out when the
     frames so far reach ``first_codes_per_chunk`` (1), then twice as many, and so on, then every
     ``codes_per_chunk`` frames (``first_codes_per_chunk`` = ``codes_per_chunk``: equal chunks);
-    ``talker_max_new_tokens`` and ``talker_do_sample`` in a request override the stage's."""
+    ``talker_max_new_tokens`` and ``talker_do_sample`` in a request override the stage's.
+    ``yield_to_first_audio``: while a vocoder in this process makes a request's first chunk, a
+    step waits for it up to that many seconds (0: never; ``kit.vocoder.FirstChunkGate``)."""
 
     #: codes per frame (1: one codebook; 16 for a 16-codebook talker)
     codebooks = 1
@@ -98,7 +101,8 @@ class CodecTalker:
                  temperature: float = 0.9, repetition_penalty: float = 1.05,
                  eos_token_id: list[int] | None = None, codes_per_chunk: int = 16, source: str = "thinker",
                  max_batch_size: int = 64, kv_cache_tokens: int | None = 524288,
-                 max_prefill_tokens: int | None = 512, first_codes_per_chunk: int = 1):
+                 max_prefill_tokens: int | None = 512, first_codes_per_chunk: int = 1,
+                 yield_to_first_audio: float = 0.25):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model = self.load_model(self.path, dtype=dtype, device=device)
@@ -116,6 +120,11 @@ class CodecTalker:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.codes_per_chunk = codes_per_chunk
         self.first_codes_per_chunk = min(first_codes_per_chunk, codes_per_chunk)
+        if isinstance(yield_to_first_audio, bool) or not isinstance(yield_to_first_audio, (int, float)) \
+                or not 0 <= yield_to_first_audio <= 10:
+            raise ValueError(f"yield_to_first_audio must be seconds between 0 and 10 (0: never), "
+                             f"got {yield_to_first_audio!r}")
+        self.yield_to_first_audio = float(yield_to_first_audio)
         self.source = source
         self.loop = DecodeLoop(self.step, max_batch_size=max_batch_size, memory_budget=kv_cache_tokens,
                                max_prefill_tokens=max_prefill_tokens, name="talker")
@@ -184,6 +193,8 @@ class CodecTalker:
 
     # -- the step (worker thread) --------------------------------------------------------------
     def step(self, rows) -> list[Any]:
+        # A vocoder in this process making a request's first chunk goes first (kit.vocoder.FirstChunkGate).
+        FIRST_CHUNKS.wait(self.yield_to_first_audio)
         with torch.inference_mode():
             results, outs = run_rows(rows, self._decode_rows, self.prefill)
             made = self.frames([rows[i].state for i, _ in outs], [lg for _, lg in outs]) if outs else []

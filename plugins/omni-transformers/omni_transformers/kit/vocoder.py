@@ -35,9 +35,11 @@ caller (``relay_text``), writes a WAV as it goes when asked (``wav_path``), and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Hashable
+import threading
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,47 @@ class ChunkSchedule:
         return sizes
 
 
+class FirstChunkGate:
+    """Process-wide: while a vocoder makes a request's first chunk, the other model threads of the
+    process that ask (a talker's decode loop, between two steps) hold back, each wait at most its
+    own bound. On CPU the stages of one process share one interpreter lock, so a talker stepping
+    beside the vocoder makes the first chunk wait for its steps (measured: a first chunk's DiT
+    run took 2-5 times as long beside a talker generating); the talker is far ahead of the
+    vocoder, so holding it back costs the request nothing."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._idle = threading.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Around the making of a first chunk."""
+        with self._lock:
+            self._busy += 1
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._busy == 0:
+                    self._idle.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._idle.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until no first chunk is being made, at most ``timeout`` seconds; True if none is."""
+        return self._idle.wait(timeout) if timeout > 0 else self._idle.is_set()
+
+
+#: The gate of this process (see :class:`FirstChunkGate`).
+FIRST_CHUNKS = FirstChunkGate()
+
+
 class _Chunk:
     __slots__ = ("item", "future", "arrived", "first", "key", "seq", "passed")
 
@@ -196,14 +239,16 @@ class ChunkBatcher(Worker):
     request starves. ``max_batch_size`` / ``max_wait`` as ``omni_core.kits.MicroBatcher``'s (a
     batch starts when that many chunks wait, or ``max_wait`` seconds after the oldest arrived);
     its contract for ``fn`` too (a list of items → one result or exception per item; a plain
-    function runs on a worker thread)."""
+    function runs on a worker thread). A batch holding a first chunk runs inside ``gate.hold()``
+    (default :data:`FIRST_CHUNKS`; None: no gate)."""
 
     kind = "batcher"
     closed_error = BatcherClosed
     broken_error = BatchError
 
     def __init__(self, fn: Callable[[list], list], *, max_batch_size: int = 16, max_wait: float = 0.002,
-                 first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None):
+                 first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None,
+                 gate: FirstChunkGate | None = FIRST_CHUNKS):
         for what, value, least in (("max_batch_size", max_batch_size, 1), ("max_passed_over", max_passed_over, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{what} must be an integer of at least {least}, got {value!r}")
@@ -214,6 +259,7 @@ class ChunkBatcher(Worker):
         self.max_wait = float(max_wait)
         self.first_chunk_priority = bool(first_chunk_priority)
         self.max_passed_over = max_passed_over
+        self.gate = gate
         self.stats = BatchStats()
         self._waiting: list[_Chunk] = []
         self._seq = itertools.count()
@@ -260,8 +306,10 @@ class ChunkBatcher(Worker):
 
     async def _run(self, batch: list[_Chunk]) -> None:
         self.stats.record(len(batch))
+        gate = self.gate if self.gate is not None and any(c.first for c in batch) else None
         try:
-            results = list(await self._calls([c.item for c in batch]))
+            with gate.hold() if gate is not None else contextlib.nullcontext():
+                results = list(await self._calls([c.item for c in batch]))
             if len(results) != len(batch):
                 raise BatchError(f"batch function of batcher {self.name!r} returned {len(results)} results for "
                                  f"{len(batch)} items; it must return one result per item, in order")
