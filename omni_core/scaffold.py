@@ -27,13 +27,18 @@ KINDS: dict[str, str] = {
     "placement": "a placement strategy with an options schema, and a pipeline placed by it",
     "launcher": "a launcher that wraps the local one, adding environment variables and a start log",
     "api": "an HTTP API that omni serve mounts, in front of a pipeline of its own",
+    "family": "a model family for omni-transformers' kit, with its tiny checkpoint writer and pipeline",
 }
 #: The hook a kind's plugin implements (for the README's ``omni plugins list --hook``).
 _HOOKS = {"stage": "stages", "relay": "relays", "placement": "placements", "launcher": "launchers",
-          "api": "apis"}
+          "api": "apis", "family": "families"}
 #: What a kind's generated code imports besides omni-core.
 _DEPENDENCIES = {"stage": [], "relay": ["torch>=2.1", "msgspec>=0.18"], "placement": [], "launcher": ["attrs>=23.1"],
-                 "api": ["starlette>=0.37"]}
+                 "api": ["starlette>=0.37"],
+                 "family": ["omni-transformers>=0.1", "torch>=2.1", "transformers>=5.24,<6"]}
+#: Where the generated tox.ini finds what no index has besides omni-core (a requirement, or a path
+#: in the variable it names), per kind.
+_TOX_DEPS = {"family": "{env:OMNI_TRANSFORMERS:omni-transformers>=0.1}"}
 #: What a kind's tests need besides pytest.
 _TEST_DEPENDENCIES = {"api": ["httpx>=0.27"]}
 #: The suffix of the class a kind's plugin defines (``$cls``).
@@ -46,6 +51,20 @@ class ScaffoldError(OmniError):
 
 
 def _layout(kind: str, name: str, pkg: str) -> str:
+    if kind == "family":
+        return (f"- `{pkg}/plugin.py`: registers the family `{name}` (`omni_register_families`: its model types "
+                f"and pipeline), its stages by dotted path and the pipeline `{name}.example`\n"
+                f"- `{pkg}/family.py`: the family descriptor (`omni_transformers.kit.family.Family`); set "
+                "`MODEL_TYPES` to your checkpoints' `model_type`\n"
+                f"- `{pkg}/tiny.py`: the tiny random checkpoint writer (`python -m omni_transformers.tiny DIR "
+                f"--family {name}`)\n"
+                f"- `{pkg}/stages.py`: a processor, the kit's thinker, a toy codec (replace it with your talker "
+                "and vocoder on the kit's skeletons)\n"
+                f"- `{pkg}/pipelines/example.yaml`: the pipeline `{name}.example`, the family's default\n"
+                "- `tests/`: registration, a checkpoint folder finding the family, the pipeline in real processes "
+                "equal to transformers' `generate`\n\n"
+                "omni-transformers, like omni-core, may be on no index you use: `OMNI_TRANSFORMERS` (a requirement, "
+                "or a path to `plugins/omni-transformers` of omni's source tree) tells tox where it is.")
     if kind == "launcher":
         return (f"- `{pkg}/plugin.py`: registers the launcher `{name}.local` by dotted path with its options "
                 "schema (configs are checked without importing it), a stage and a pipeline\n"
@@ -89,6 +108,7 @@ def _values(name: str, kind: str) -> dict[str, str]:
         "env_var": f"{name.upper()}_GREETING",
         "kind_flag": "" if kind == "stage" else f" --kind {kind}",
         "hook": _HOOKS[kind],
+        "tox_deps": f"\n    {_TOX_DEPS[kind]}" if kind in _TOX_DEPS else "",
         "omni_min": __version__,
         "description": f"omni plugin {name!r}: {KINDS[kind]}.",
         "run_example": run,
@@ -122,6 +142,9 @@ def torch_pin() -> str:
 def run_command(name: str, kind: str) -> str:
     """The ``omni run`` line that tries a generated plugin's example pipeline."""
     example = '{"n": 4}' if kind == "relay" else '{"text": "hello omni"}'
+    if kind == "family":  # its pipeline needs a checkpoint: the family's tiny one, served by folder
+        return (f"python -m omni_transformers.tiny {name}-tiny --family {name} && "
+                f"omni run {name}-tiny --input '{example}'")
     return f"omni run {name}.example --input '{example}'"
 
 

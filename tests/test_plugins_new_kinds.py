@@ -1,9 +1,11 @@
-"""`omni plugins new --kind launcher` and `--kind api`: what they write, and that what they write
+"""`omni plugins new --kind launcher`, `--kind api` and `--kind family`: what they write, and that what they write
 works as generated: installed, its own tests pass with pytest in its folder, `omni plugins check`
 is clean, and the commands `omni plugins new` prints next (`omni run`, `omni serve` and the request
 to the API) do what they say, through the real `omni` console script.
 
-docs/plugins.md's tutorial (tests/test_plugins_tutorial.py) follows the same kinds on the page."""
+docs/plugins.md's tutorial (tests/test_plugins_tutorial.py) follows the same kinds on the page. The
+family kind's run needs omni-transformers (the plugin-template tox env installs it; elsewhere that
+test skips)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import httpx
 import pytest
 from plugin_fixtures import omni_command, run_omni
 
-from omni_core.scaffold import KINDS, curl_command, new_plugin
+from omni_core.scaffold import KINDS, curl_command, new_plugin, run_command
 from omni_core.testing.leaks import alive
 from omni_core.testing.serve import ServerProcess
 
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.timeout(600)
 LAYOUT = {
     "launcher": ["omni_NAME/launcher.py", "omni_NAME/pipelines/example.yaml", "omni_NAME/plugin.py", "omni_NAME/stages.py"],
     "api": ["omni_NAME/api.py", "omni_NAME/pipelines/example.yaml", "omni_NAME/plugin.py", "omni_NAME/stages.py"],
+    "family": ["omni_NAME/family.py", "omni_NAME/pipelines/example.yaml", "omni_NAME/plugin.py", "omni_NAME/stages.py",
+               "omni_NAME/tiny.py"],
 }
 
 
@@ -50,10 +54,10 @@ def _env(site: Path, *dists: str) -> dict[str, str]:
 
 
 def test_the_kinds_are_known():
-    assert list(KINDS) == ["stage", "relay", "placement", "launcher", "api"]
+    assert list(KINDS) == ["stage", "relay", "placement", "launcher", "api", "family"]
 
 
-@pytest.mark.parametrize("kind", ["launcher", "api"])
+@pytest.mark.parametrize("kind", ["launcher", "api", "family"])
 def test_new_writes_a_complete_distribution_of_the_kind(tmp_path, kind):
     name = f"new{kind}"
     result = run_omni("plugins", "new", name, "--dir", str(tmp_path), "--kind", kind)
@@ -73,11 +77,50 @@ def test_new_writes_a_complete_distribution_of_the_kind(tmp_path, kind):
     assert f'name = "omni-{name}"' in pyproject and f'{name} = "omni_{name}.plugin"' in pyproject
     assert "py{310,311,312,313}-omni{installed,min}" in (root / "tox.ini").read_text()
     readme = (root / "README.md").read_text()
-    assert f"omni plugins new {name} --kind {kind}" in readme and f"omni plugins list --hook {kind}s" in readme
-    assert f"$ omni run {name}.example" in readme
+    hook = "families" if kind == "family" else f"{kind}s"
+    assert f"omni plugins new {name} --kind {kind}" in readme and f"omni plugins list --hook {hook}" in readme
     lines = result.stdout.splitlines()
     assert f"  pip install -e '{root}[test]'" in lines and f"  omni plugins check omni-{name}" in lines
+    if kind == "family":  # its pipeline runs on a checkpoint: the tiny one, served by its folder
+        run = (f"python -m omni_transformers.tiny {name}-tiny --family {name} && "
+               f"omni run {name}-tiny --input '{{\"text\": \"hello omni\"}}'")
+        assert f"$ {run}" in readme and f"  {run}" in lines
+        return
+    assert f"$ omni run {name}.example" in readme
     assert f"  omni run {name}.example --input '{{\"text\": \"hello omni\"}}'" in lines
+
+
+def test_the_family_kind_depends_on_omni_transformers_and_tox_finds_it_where_no_index_has_it(tmp_path):
+    root = new_plugin("fam", tmp_path, "family")
+    pyproject = (root / "pyproject.toml").read_text()
+    assert '"omni-transformers>=0.1"' in pyproject and '"transformers>=5.24,<6"' in pyproject
+    assert "    {env:OMNI_TRANSFORMERS:omni-transformers>=0.1}\n" in (root / "tox.ini").read_text()
+    assert "OMNI_TRANSFORMERS" in (root / "README.md").read_text()
+    assert "OMNI_TRANSFORMERS" not in (new_plugin("notfam", tmp_path, "stage") / "tox.ini").read_text()
+    family = (root / "omni_fam" / "family.py").read_text()
+    assert 'default_pipeline="fam.example"' in family and 'write_tiny="omni_fam.tiny:write_tiny"' in family
+
+
+@pytest.mark.slow
+def test_a_generated_family_passes_its_tests_checks_clean_and_serves_its_tiny_checkpoint(tmp_path):
+    pytest.importorskip("omni_transformers", reason="the family kind is built on omni-transformers")
+    site = tmp_path / "site"
+    project = new_plugin("kitfam", tmp_path, "family")
+    _install(site, project)
+    env = _env(site, "omni-kitfam")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project, env=env,
+                           capture_output=True, text=True, timeout=500)
+    assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout + tests.stderr
+    checked = subprocess.run([*omni_command(), "plugins", "check", "omni-kitfam"], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert checked.returncode == 0 and checked.stdout.splitlines()[0] == "omni-kitfam: ok", checked.stdout
+    # what `omni plugins new` prints next: the tiny checkpoint, then omni run on its folder
+    ran = subprocess.run(["bash", "-c", run_command("kitfam", "family")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout.splitlines()[-1])
+    assert result["sample_rate"] == 8000 and 1 <= len(result["token_ids"]) <= 8
+    assert result["codes"] == [c for t in result["token_ids"] for c in (t % 16, t // 16 % 16)]
 
 
 def test_the_api_kind_declares_what_its_tests_import_and_tells_how_to_serve_it(tmp_path):

@@ -102,7 +102,7 @@ def plugins_list(
 def plugins_new(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The plugin's name: distribution omni-NAME, package omni_NAME, names NAME.*")],
     directory: Annotated[str, typer.Option("--dir", metavar="DIR", help="Where to create omni-NAME/ (default: the working directory).")] = ".",
-    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay, placement, launcher or api.")] = "stage",
+    kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="What the plugin contributes: stage (default), relay, placement, launcher, api or family (a model family for omni-transformers).")] = "stage",
     log_level: LogLevel = None,
 ) -> None:
     """Write a complete plugin distribution omni-NAME/: pyproject with the omni entry point, the
