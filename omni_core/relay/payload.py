@@ -158,9 +158,10 @@ def _plain(payload: Any) -> bool:
     """The fast check ``pack`` runs first: no set, no nesting past :data:`MAX_DEPTH` (False
     sends it to :func:`find_refused` for the path and the reason). Tensors are checked by the
     encoder's hook, which sees each of them anyway."""
-    if type(payload) is dict:  # the common payload: a flat dict of tensors and scalars
+    if type(payload) is dict:  # the common payload: a dict of tensors, scalars and lists of scalars
         for value in payload.values():
-            if type(value) not in _FLAT:
+            kind = type(value)
+            if kind not in _FLAT and not ((kind is list or kind is tuple) and _FLAT.issuperset(map(type, value))):
                 break
         else:
             return True
