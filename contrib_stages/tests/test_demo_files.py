@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from omni_core.testing.serve import ServerProcess, sse_events
+from omni_core.testing.serve import ServerProcess, openai_client, sse_events
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -54,9 +54,8 @@ def server(places):
 def allowing(places, tmp_path_factory):
     cfg = yaml.safe_load(files("omni_contrib_stages").joinpath("pipelines/demo.yaml").read_text())
     cfg.setdefault("serve", {})["allow_local_files"] = str(places["root"])
-    path = tmp_path_factory.mktemp("config") / "demo-files.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with ServerProcess(str(path), cwd=str(places["cwd"]), ready_timeout=300).serving() as srv:
+    with ServerProcess.of_config(cfg, tmp_path_factory.mktemp("config"), name="demo-files",
+                                 cwd=places["cwd"]).serving() as srv:
         yield srv
 
 
@@ -152,14 +151,7 @@ def test_with_allow_local_files_a_path_inside_the_root_is_written_and_nothing_le
 @pytest.fixture
 def sdk(server):
     posts: list[str] = []
-
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    with httpx.Client(event_hooks={"request": [count]}, timeout=60) as client, openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", http_client=client
-    ) as c:
+    with openai_client(server, posts) as c:
         assert c.max_retries >= 1  # a status the SDK retries would show as a second POST
         yield c, posts
 

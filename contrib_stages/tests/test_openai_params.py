@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from omni_core.testing.serve import ServerProcess
+from omni_core.testing.serve import ServerProcess, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,14 +35,7 @@ def posts(server):
 @pytest.fixture
 def client(server, posts):
     """The SDK with its default retries; every POST it sends is counted."""
-
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    with httpx.Client(event_hooks={"request": [count]}, timeout=60) as http, openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", http_client=http
-    ) as c:
+    with openai_client(server, posts) as c:
         assert c.max_retries >= 1  # a status the SDK retries would show as a second POST
         yield c
 
@@ -245,22 +238,14 @@ def echo(tmp_path_factory):
     """A pipeline that maps every sampling parameter and answers with the inputs it got."""
     from pathlib import Path
 
-    tmp = tmp_path_factory.mktemp("echo")
-    (tmp / "echo.yaml").write_text(ECHO)
-    with ServerProcess(str(tmp / "echo.yaml"), env={"PYTHONPATH": str(Path(__file__).parent)}, cwd=str(tmp),
-                       ready_timeout=300).serving() as srv:
+    with ServerProcess.of_config(ECHO, tmp_path_factory.mktemp("echo"), name="echo",
+                                 pythonpath=[Path(__file__).parent]).serving() as srv:
         yield srv
 
 
 @pytest.fixture
 def echo_client(echo, posts):
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    with httpx.Client(event_hooks={"request": [count]}, timeout=60) as http, openai.OpenAI(
-        base_url=f"{echo.url}/v1", api_key="unused", http_client=http
-    ) as c:
+    with openai_client(echo, posts) as c:
         yield c
 
 

@@ -24,7 +24,7 @@ import pytest
 import soundfile
 from audio_stages import RATE, speak, transcribe
 
-from omni_core.testing.serve import ServerProcess
+from omni_core.testing.serve import ServerProcess, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,10 +71,8 @@ serve:
 
 
 def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None = None, *args: str):
-    tmp = tmp_path_factory.mktemp(name)
-    (tmp / f"{name}.yaml").write_text(config)
-    return ServerProcess(str(tmp / f"{name}.yaml"), *args, env={"PYTHONPATH": str(HERE), **(env or {})}, cwd=str(tmp),
-                         ready_timeout=300).serving()
+    return ServerProcess.of_config(config, tmp_path_factory.mktemp(name), *args, name=name, env=env,
+                                   pythonpath=[HERE]).serving()
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +97,7 @@ def posts():
 
 
 def sdk(server, posts):
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    http = httpx.Client(event_hooks={"request": [count]}, timeout=60)
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", http_client=http, max_retries=0)
+    return openai_client(server, posts, max_retries=0)
 
 
 @pytest.fixture

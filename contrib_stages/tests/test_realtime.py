@@ -72,9 +72,8 @@ serve:
 
 def start_server(tmp: Path, *, delay: float = 0.03, max_sessions: int = 8, idle_timeout: float = 300) -> ServerProcess:
     record = tmp / "record"
-    (tmp / "voice.yaml").write_text(CONFIG.format(record=record, delay=delay, hop=HOP, max_sessions=max_sessions,
-                                                  idle_timeout=idle_timeout))
-    srv = ServerProcess(str(tmp / "voice.yaml"), env={"PYTHONPATH": str(HERE)}, cwd=str(tmp), ready_timeout=300)
+    config = CONFIG.format(record=record, delay=delay, hop=HOP, max_sessions=max_sessions, idle_timeout=idle_timeout)
+    srv = ServerProcess.of_config(config, tmp, name="voice", pythonpath=[HERE])
     srv.record = record
     return srv.start()
 

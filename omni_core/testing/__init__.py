@@ -11,7 +11,9 @@
 - :mod:`omni_core.testing.leaks`: the ``no_leaks`` fixture and helpers that check a test left no
   stage process, runtime directory or /dev/shm segment behind.
 - :mod:`omni_core.testing.serve` and :mod:`omni_core.testing.fuzz`: ``ServerProcess``, a real
-  ``omni serve`` for a test; ``fuzz_server``, hypothesis over its ``GET /openapi.json``.
+  ``omni serve`` for a test (``ServerProcess.of_config``: of a config the test writes, with its own
+  stage modules importable); ``openai_client``, the official SDK on it counting the POSTs it sends;
+  ``fuzz_server``, hypothesis over its ``GET /openapi.json``.
 - :mod:`omni_core.testing.cuda`: the ``cuda`` marker (``@pytest.mark.cuda(devices=2)``): GPU tests
   skip without CUDA and fail instead under ``OMNI_REQUIRE_CUDA=1``.
 

@@ -11,6 +11,23 @@
 
 The server listens on 127.0.0.1 on a free port (``--port 0``; the port is read from its first
 line). Its log lines are kept in :attr:`ServerProcess.lines`.
+
+A config written in the test (YAML text, or a mapping such as a shipped config edited), served from
+a folder of its own, with the test's stage modules importable by the server's processes::
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        folder = tmp_path_factory.mktemp("tts")
+        with ServerProcess.of_config(TTS_YAML, folder, pythonpath=[HERE]).serving() as srv:
+            yield srv
+
+and the official ``openai`` SDK on it, counting the POSTs it sends (a client's mistake must cost
+one POST: no retry)::
+
+    posts = []
+    with openai_client(server, posts) as client:
+        ...
+    assert posts == ["/v1/chat/completions"]
 """
 
 from __future__ import annotations
@@ -53,6 +70,29 @@ class ServerProcess:
         self._reader: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
+
+    @classmethod
+    def of_config(cls, config: str | Mapping[str, object], folder: str | os.PathLike, *args: str,
+                  name: str = "pipeline", env: Mapping[str, str] | None = None,
+                  pythonpath: Sequence[str | os.PathLike] = (), cwd: str | os.PathLike | None = None,
+                  ready_timeout: float = 300.0) -> ServerProcess:
+        """A server of ``config`` (YAML text, or a mapping written as YAML) saved as
+        ``folder/NAME.yaml``, started in ``cwd`` (default ``folder``), its processes importing from
+        ``pythonpath`` first (the test's stage modules). Not started yet: ``.serving()``."""
+        path = os.path.join(os.fspath(folder), f"{name}.yaml")
+        if not isinstance(config, str):
+            import yaml
+
+            config = yaml.safe_dump(dict(config), sort_keys=False)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(config)
+        env = dict(env or {})
+        paths = [os.fspath(p) for p in pythonpath]
+        if paths:
+            before = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+            env["PYTHONPATH"] = os.pathsep.join([*paths, *([before] if before else [])])
+        return cls(path, *args, env=env, cwd=os.fspath(cwd if cwd is not None else folder),
+                   ready_timeout=ready_timeout)
 
     def command(self) -> list[str]:
         """The server's command line: ``omni serve`` through this interpreter (override to run,
@@ -216,4 +256,27 @@ def sse_events(lines: Sequence[str]) -> list[tuple[str | None, str]]:
     return events
 
 
-__all__ = ["ServerProcess", "sse_events"]
+@contextlib.contextmanager
+def openai_client(server: ServerProcess | str, posts: list[str] | None = None, *, timeout: float = 60.0,
+                  api_key: str = "unused", **options: object) -> Iterator[object]:
+    """The official ``openai`` SDK on ``server`` (a :class:`ServerProcess`, or its URL): its
+    ``base_url`` is the server's ``/v1``, and the path of every POST it sends is appended to
+    ``posts`` (retries included, so a test can check that a client's mistake cost exactly one).
+    ``options`` go to ``openai.OpenAI`` (``max_retries``...). Closed at the end of the block."""
+    import httpx
+    import openai
+
+    url = server if isinstance(server, str) else server.url
+    seen = posts if posts is not None else []
+
+    def count(request: httpx.Request) -> None:
+        if request.method == "POST":
+            seen.append(request.url.path)
+
+    with httpx.Client(event_hooks={"request": [count]}, timeout=timeout) as http, openai.OpenAI(
+        base_url=f"{url}/v1", api_key=api_key, http_client=http, **options  # type: ignore[arg-type]
+    ) as client:
+        yield client
+
+
+__all__ = ["ServerProcess", "openai_client", "sse_events"]

@@ -19,6 +19,7 @@ import openai
 import pytest
 import soundfile
 import yaml
+from omni_core.testing.serve import openai_client
 from test_serve_openai import ConsoleServer
 
 pytestmark = pytest.mark.timeout(900)
@@ -68,10 +69,8 @@ def server(tiny_model, places, tmp_path_factory):
     config = yaml.safe_load((package_files("omni_transformers") / f"pipelines/{MODEL}.yaml").read_text())
     config["serve"]["allow_local_files"] = str(places["root"])
     config["serve"]["options"]["openai"]["inputs"]["talker_max_new_tokens"] = 8
-    path = tmp_path_factory.mktemp("config") / f"{MODEL}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = ConsoleServer(str(path), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)}, cwd=str(places["cwd"]),
-                        ready_timeout=300)
+    srv = ConsoleServer.of_config(config, tmp_path_factory.mktemp("config"), name=MODEL, cwd=places["cwd"],
+                                  env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)})
     with srv.serving(stop_timeout=120):
         yield srv
 
@@ -138,14 +137,7 @@ def test_wav_path_is_written_inside_the_root_and_refused_outside(http, places):
 @pytest.fixture
 def sdk(server):
     posts: list[str] = []
-
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    with httpx.Client(event_hooks={"request": [count]}, timeout=600) as client, openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", http_client=client
-    ) as c:
+    with openai_client(server, posts, timeout=600) as c:
         assert c.max_retries >= 1
         yield c, posts
 

@@ -47,11 +47,9 @@ def server(tiny_model, tmp_path_factory, files):
     config = yaml.safe_load((package_files("omni_transformers") / "pipelines/qwen2_5_omni.yaml").read_text())
     config["serve"]["options"]["openai"]["inputs"]["talker_max_new_tokens"] = TALKER_CODES
     config["serve"]["allow_local_files"] = str(files)
-    path = tmp_path_factory.mktemp("config") / "qwen2_5_omni.yaml"
-    path.write_text(yaml.safe_dump(config))
     cwd = tmp_path_factory.mktemp("serve")
-    srv = ConsoleServer(str(path), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)}, cwd=str(cwd),
-                        ready_timeout=300)
+    srv = ConsoleServer.of_config(config, tmp_path_factory.mktemp("config"), name="qwen2_5_omni", cwd=cwd,
+                                  env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)})
     with srv.serving(stop_timeout=120):
         yield srv
         assert not list(cwd.iterdir()), "a request wrote a file in the server's working directory"

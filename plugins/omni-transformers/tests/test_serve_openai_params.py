@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import openai
 import pytest
+from omni_core.testing.serve import openai_client
 from test_serve_openai import ConsoleServer
 
 pytestmark = pytest.mark.timeout(900)
@@ -34,10 +34,8 @@ def server(tiny_model, tmp_path_factory):
     assert config["serve"]["apis"] == ["openai", "realtime"]
     config["serve"]["options"]["openai"]["inputs"]["talker_max_new_tokens"] = TALKER_CODES
     config["serve"]["options"]["openai"]["inputs"]["max_new_tokens"] = 8  # when a client sets no limit
-    path = tmp_path_factory.mktemp("config") / f"{MODEL}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = ConsoleServer(str(path), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)},
-                        cwd=str(tmp_path_factory.mktemp("serve")), ready_timeout=300)
+    srv = ConsoleServer.of_config(config, tmp_path_factory.mktemp("config"), name=MODEL,
+                                  cwd=tmp_path_factory.mktemp("serve"), env={"OMNI_TRANSFORMERS_MODEL": str(tiny_model)})
     with srv.serving(stop_timeout=120):
         yield srv
 
@@ -49,13 +47,7 @@ def posts():
 
 @pytest.fixture
 def client(server, posts):
-    def count(request: httpx.Request) -> None:
-        if request.method == "POST":
-            posts.append(request.url.path)
-
-    with httpx.Client(event_hooks={"request": [count]}, timeout=600) as http, openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", http_client=http
-    ) as c:
+    with openai_client(server, posts, timeout=600) as c:
         yield c
 
 
