@@ -42,6 +42,12 @@ def omni_register_stages(register):
              description="Qwen3-Omni MoE thinker: text tokens, batched across requests", check=check)
     register("transformers.whisper.asr", "omni_transformers.whisper.asr:Transcriber",
              description="Whisper: audio -> text, concurrent requests batched, text streamed", check=check)
+    register("transformers.csm.processor", "omni_transformers.csm.tts:Processor",
+             description="CSM inputs (text, voice, sampling) -> the prompt and settings", check=check)
+    register("transformers.csm.talker", "omni_transformers.csm.tts:Talker",
+             description="CSM backbone + depth decoder: frames of codes, concurrent requests batched", check=check)
+    register("transformers.csm.vocoder", "omni_transformers.csm.tts:MimiVocoder",
+             description="CSM's Mimi: frames -> 24 kHz audio, streamed with left context", check=check)
 
 
 @omni_core.hookimpl
@@ -71,6 +77,8 @@ def omni_register_pipelines(register):
              description="Qwen3-Omni: processor + MoE thinker in one process, text only so far")
     register("whisper", "omni_transformers:pipelines/whisper.yaml",
              description="Whisper speech recognition (served as OpenAI's /v1/audio/transcriptions)")
+    register("csm", "omni_transformers:pipelines/csm.yaml",
+             description="CSM text to speech (served as OpenAI's /v1/audio/speech)")
 
 
 @omni_core.hookimpl
@@ -81,3 +89,5 @@ def omni_register_families(register):
              pipeline="qwen3_omni", description="Qwen3-Omni: MoE thinker (text only so far); talker and code2wav to come")
     register("whisper", "omni_transformers.whisper:FAMILY", model_types=["whisper"], pipeline="whisper",
              description="Whisper: speech recognition (encoder + decoder, batched)")
+    register("csm", "omni_transformers.csm:FAMILY", model_types=["csm"], pipeline="csm",
+             description="CSM: text to speech (backbone + depth decoder, Mimi streamed)")

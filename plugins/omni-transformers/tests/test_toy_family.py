@@ -32,7 +32,7 @@ def test_the_toy_family_is_registered_and_found_by_its_checkpoints_model_type(re
                                                                               tmp_path):
     entry = registry.get("family", "toy")
     assert entry.meta == {"model_types": ("llama",), "pipeline": "toy"}
-    assert set(installed_families(registry)) == {"toy", "qwen2_5_omni", "qwen3_omni", "whisper"}
+    assert set(installed_families(registry)) == {"toy", "qwen2_5_omni", "qwen3_omni", "whisper", "csm"}
     assert family_for(toy_model, registry) is toy_family.FAMILY
     assert family_for(tiny_model, registry).name == "qwen2_5_omni"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
