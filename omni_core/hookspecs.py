@@ -163,5 +163,7 @@ def omni_register_apis(register: Register) -> None:
     ``APIRouter``. Mounted with ``omni serve --api NAME`` or the config's ``serve: {apis: [NAME]}``;
     see docs/serving.md. ``options=`` is the schema of its ``serve.options.NAME``; ``chat=PATH``
     says it serves an OpenAI-style chat completions route at ``PATH`` (streamed as server-sent
-    chunks), which the console's chat tab then talks to.
+    chunks), which the console's chat tab then talks to; ``chat="package.module:function"``, a
+    function of the pipeline's ``serve.options.NAME`` returning that path or None, says so per
+    pipeline (an API serving speech for some pipelines and chat for others).
     """

@@ -248,9 +248,11 @@ def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str)
         meta["check"] = value
     if given.get("chat") is not None:  # an API's OpenAI-style chat completions route, for the console
         value = given["chat"]
-        if not isinstance(value, str) or not value.startswith("/"):
+        if not isinstance(value, str) or not (value.startswith("/") or is_dotted_path(value)):
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: chat= takes the path of its OpenAI-style "
-                              f"chat completions route (like '/v1/chat/completions'), got {value!r}")
+                              "chat completions route (like '/v1/chat/completions'), or a "
+                              "'package.module:function' path of fn(options) -> that path or None (when the "
+                              f"route depends on the pipeline's options), got {value!r}")
         meta["chat"] = value
     if kind == "family":  # what serving a checkpoint folder decides from, without importing the family
         types, pipeline = given.get("model_types"), given.get("pipeline")

@@ -235,3 +235,41 @@ def test_no_console_error_and_no_request_left_127_0_0_1(browser_page):
     assert watch.hosts and watch.refused == []
     assert {host for host, _ in watch.hosts} == {"127.0.0.1"}
     assert any(url.endswith("/console/events") for _, url in watch.hosts)
+
+
+#: A speech pipeline behind the openai API: it mounts /v1/audio/speech, no chat completions route.
+SPEAKER = {
+    "name": "speaker",
+    "stages": [{"name": "tts", "factory": "omni_test_stages:Echo", "terminal": True}],
+    "serve": {"apis": ["openai"], "options": {"openai": {"kind": "tts", "audio_stage": "tts"}}},
+}
+
+
+def test_an_asr_or_tts_pipeline_has_no_chat_tab(browser_page, tmp_path):
+    """The chat tab shows only where the mounted API serves chat completions for this pipeline: the
+    openai API of a tts (or asr) pipeline serves /v1/audio/* instead, so the tab stays hidden (the
+    demo's page, a chat pipeline, shows it: test_the_chat_tab_talks_to_the_openai_api)."""
+    from omni_core.testing.serve import ServerProcess
+
+    browser = browser_page[0].context.browser  # the module's browser (one Playwright per process)
+    env = {"OMNI_LOAD_PLUGINS": "contrib"}
+    with ServerProcess.of_config(SPEAKER, tmp_path, name="speaker", env=env, pythonpath=[Path(__file__).parent],
+                                 ready_timeout=300).serving() as srv:
+        topology = httpx.get(f"{srv.url}/console/state", timeout=30).json()["topology"]
+        assert topology["apis"] == ["openai"] and topology["chat"] is None
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json={}, timeout=30).status_code == 404
+        watch = Watch()
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        try:
+            context.route("**/*", watch.route)
+            page = context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("pageerror", lambda exc: watch.errors.append(f"page error: {exc}"))
+            page.goto(srv.url + "/")
+            page.get_by_test_id("stage-row-tts").wait_for()  # the topology is drawn (the tab set with it)
+            assert text(page, "pipeline-name") == "speaker"
+            assert page.get_by_test_id("tab-chat").is_hidden()
+            assert page.get_by_test_id("tab-request").is_visible()
+        finally:
+            context.close()
+        assert watch.errors == [] and watch.refused == []

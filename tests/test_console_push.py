@@ -67,8 +67,15 @@ def chat_registry():
         @omni_core.hookimpl
         def omni_register_apis(self, register):
             register("openai", "acme_chat:make_routes", description="chat", chat="/v1/chat/completions")
+            register("acme.speech", "acme_chat:make_routes", description="chat or speech",
+                     chat="test_console_push:chat_by_kind")
 
     return load_plugins(env={"OMNI_LOAD_PLUGINS": ""}, extra=[("chat", ChatApi())]).registry
+
+
+def chat_by_kind(options):
+    """An API's chat route per pipeline: none where its options say the pipeline speaks (tts)."""
+    return None if options.get("kind") == "tts" else "/v1/acme/chat"
 
 
 def test_the_console_asks_the_api_registry_for_the_chat_route():
@@ -78,6 +85,11 @@ def test_the_console_asks_the_api_registry_for_the_chat_route():
     assert chat_path(("openai",), registry) == "/v1/chat/completions"
     assert chat_path(("realtime", "openai"), registry) == "/v1/chat/completions"
     assert chat_path(("acme.api",), registry) is None and chat_path((), registry) is None
+    # chat="pkg.mod:fn": decided from the pipeline's options for that API
+    assert chat_path(("acme.speech",), registry, {"acme.speech": {"kind": "tts"}}) is None
+    assert chat_path(("acme.speech",), registry, {"acme.speech": {"kind": "chat"}}) == "/v1/acme/chat"
+    assert chat_path(("acme.speech",), registry, {}) == "/v1/acme/chat"
+    assert chat_path(("acme.speech", "openai"), registry, {"acme.speech": {"kind": "tts"}}) == "/v1/chat/completions"
 
 
 def test_the_graph_groups_stages_by_process_with_their_gpus_and_relays(registry):

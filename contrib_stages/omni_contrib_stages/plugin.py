@@ -7,6 +7,9 @@ imports nothing but this module; a stage's code is imported only in the process 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import omni_core
 from omni_core.options import Option
 
@@ -165,9 +168,16 @@ REALTIME_OPTIONS: dict[str, Option] = {
 #: Each API's options schema, by API name.
 API_OPTIONS: dict[str, dict[str, Option]] = {"openai": OPENAI_OPTIONS, "realtime": REALTIME_OPTIONS}
 
-#: The path of each API's OpenAI-style chat completions route, by API name (the console's chat tab
-#: talks to it).
-API_CHAT: dict[str, str] = {"openai": "/v1/chat/completions"}
+#: Each API's OpenAI-style chat completions route, by API name (the console's chat tab talks to
+#: it): for ``openai``, a function of the pipeline's options, since an asr or tts pipeline mounts
+#: /v1/audio/* instead of /v1/chat/completions.
+API_CHAT: dict[str, str] = {"openai": "omni_contrib_stages.plugin:chat_route"}
+
+
+def chat_route(options: Mapping[str, Any]) -> str | None:
+    """The ``openai`` API's chat completions route for a pipeline with these options: there is one
+    for ``kind: chat`` (the default), none for ``asr`` and ``tts`` pipelines."""
+    return "/v1/chat/completions" if options.get("kind", "chat") == "chat" else None
 
 
 @omni_core.hookimpl

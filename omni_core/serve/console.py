@@ -104,7 +104,7 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
 
     cfg = plan.config
     apis = state.apis if hasattr(state, "apis") else state.settings.apis  # the APIs serving this pipeline
-    chat = chat_path(apis, registry)
+    chat = chat_path(apis, registry, cfg.serve.options)
     groups = []
     for name in plan.groups:
         procs = plan.group(name)
@@ -132,16 +132,25 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
     }
 
 
-def chat_path(apis: Any, registry: Any = None) -> str | None:
+def chat_path(apis: Any, registry: Any = None, options: Any = None) -> str | None:
     """The path of the chat completions route of the first mounted API whose registration says it
-    serves one (``register(..., chat="/v1/chat/completions")``): the console's chat tab talks to it."""
+    serves one for this pipeline: ``register(..., chat="/v1/chat/completions")``, or
+    ``chat="pkg.mod:fn"``, ``fn(the pipeline's serve.options[API])`` giving the path or None (an API
+    that mounts speech routes instead of chat for some pipelines). The console's chat tab talks to
+    it; without one (None) the tab is not shown."""
     from ..plugins import get_registry
+    from ..registry import import_ref
 
     try:
         registry = registry if registry is not None else get_registry()
         for name in apis:
-            if registry.kind_of(name, ("api",)) == "api" and (path := registry.get("api", name).meta.get("chat")):
-                return str(path)
+            if registry.kind_of(name, ("api",)) != "api" or not (chat := registry.get("api", name).meta.get("chat")):
+                continue
+            if not str(chat).startswith("/"):  # decided per pipeline, from its options for this API
+                mine = (options or {}).get(name) if isinstance(options, dict) else None
+                chat = import_ref(chat)(dict(mine) if isinstance(mine, dict) else {})
+            if chat:
+                return str(chat)
     except Exception:  # the tab is a courtesy: never fail the page over it
         return None
     return None
