@@ -16,6 +16,7 @@ from .kit.wiring import (
     thinker_text,
     wait_for_encoders,
 )
+from .qwen3_omni import wiring as qwen3_wiring
 
 PREFIX = "transformers.qwen2_5_omni"
 _Q = "omni_transformers.qwen2_5_omni"
@@ -39,7 +40,13 @@ def omni_register_stages(register):
     register("transformers.qwen3_omni.processor", "omni_transformers.qwen3_omni.processor:Processor",
              description="Qwen3-Omni inputs (chat messages, text parts) -> input_ids", check=check)
     register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",
-             description="Qwen3-Omni MoE thinker: text tokens, batched across requests", check=check)
+             description="Qwen3-Omni MoE thinker: text tokens, batched across requests, streaming to the talker",
+             check=check)
+    register("transformers.qwen3_omni.talker", "omni_transformers.qwen3_omni.talker:Talker",
+             description="Qwen3-Omni talker: frames of 16 codes (code0 + code predictor) from the thinker's stream",
+             check=check)
+    register("transformers.qwen3_omni.code2wav", "omni_transformers.qwen3_omni.code2wav:Code2Wav",
+             description="Qwen3-Omni code2wav: frames of 16 codes -> waveform, streamed in chunks", check=check)
     register("transformers.whisper.asr", "omni_transformers.whisper.asr:Transcriber",
              description="Whisper: audio -> text, concurrent requests batched, text streamed", check=check)
     register("transformers.csm.processor", "omni_transformers.csm.tts:Processor",
@@ -61,6 +68,10 @@ def omni_register_functions(register):
     for fn in (text_inputs, speech_inputs, audio_inputs, image_inputs):
         register(f"{PREFIX}.{fn.__name__}", fn, kind="project_payload", description=fn.__doc__)
     register(f"{PREFIX}.thinker_text", thinker_text, kind="project_stream", description=thinker_text.__doc__)
+    register("transformers.qwen3_omni.route_inputs", qwen3_wiring.route_inputs, kind="route",
+             description=qwen3_wiring.route_inputs.__doc__)
+    register("transformers.qwen3_omni.terminal_stages", qwen3_wiring.terminal_stages, kind="terminal_stages",
+             description=qwen3_wiring.terminal_stages.__doc__)
 
 
 @omni_core.hookimpl
@@ -74,7 +85,7 @@ def omni_register_pipelines(register):
     register("qwen2_5_omni.split.gpu", "omni_transformers:pipelines/qwen2_5_omni_split_gpu.yaml",
              description="qwen2_5_omni.split placed on the GPUs there are (spread)")
     register("qwen3_omni", "omni_transformers:pipelines/qwen3_omni.yaml",
-             description="Qwen3-Omni: processor + MoE thinker in one process, text only so far")
+             description="Qwen3-Omni: processor + MoE thinker in one process, talker + code2wav in another")
     register("whisper", "omni_transformers:pipelines/whisper.yaml",
              description="Whisper speech recognition (served as OpenAI's /v1/audio/transcriptions)")
     register("csm", "omni_transformers:pipelines/csm.yaml",
@@ -86,7 +97,7 @@ def omni_register_families(register):
     register("qwen2_5_omni", "omni_transformers.qwen2_5_omni:FAMILY", model_types=["qwen2_5_omni"],
              pipeline="qwen2_5_omni", description="Qwen2.5-Omni: thinker, talker (one code per frame), DiT + BigVGAN")
     register("qwen3_omni", "omni_transformers.qwen3_omni:FAMILY", model_types=["qwen3_omni_moe"],
-             pipeline="qwen3_omni", description="Qwen3-Omni: MoE thinker (text only so far); talker and code2wav to come")
+             pipeline="qwen3_omni", description="Qwen3-Omni: MoE thinker, talker with code predictor (16 codes a frame), code2wav")
     register("whisper", "omni_transformers.whisper:FAMILY", model_types=["whisper"], pipeline="whisper",
              description="Whisper: speech recognition (encoder + decoder, batched)")
     register("csm", "omni_transformers.csm:FAMILY", model_types=["csm"], pipeline="csm",

@@ -21,13 +21,16 @@ def registry():
 def test_the_plugin_registers_its_stages_wiring_functions_and_two_pipelines():
     info = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"}).info("transformers")
     assert info.registered["stage"] == [f"transformers.qwen2_5_omni.{s}" for s in STAGES] + [
-        "transformers.qwen3_omni.processor", "transformers.qwen3_omni.thinker", "transformers.whisper.asr",
+        "transformers.qwen3_omni.processor", "transformers.qwen3_omni.thinker", "transformers.qwen3_omni.talker",
+        "transformers.qwen3_omni.code2wav", "transformers.whisper.asr",
         "transformers.csm.processor", "transformers.csm.talker", "transformers.csm.vocoder"]
     assert info.registered["pipeline"] == ["qwen2_5_omni", "qwen2_5_omni.split", "qwen2_5_omni.gpu",
                                            "qwen2_5_omni.split.gpu", "qwen3_omni", "whisper", "csm"]
     assert info.registered["route"] == [f"transformers.qwen2_5_omni.{f}"
-                                        for f in ("no_payload", "route_encoded", "route_inputs")]
-    assert info.registered["terminal_stages"] == ["transformers.qwen2_5_omni.terminal_stages"]
+                                        for f in ("no_payload", "route_encoded", "route_inputs")] + [
+                                            "transformers.qwen3_omni.route_inputs"]
+    assert info.registered["terminal_stages"] == ["transformers.qwen2_5_omni.terminal_stages",
+                                                  "transformers.qwen3_omni.terminal_stages"]
 
 
 @pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 2), ("qwen2_5_omni.split", 6)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from omni_core.errors import InvalidInput
 
 from ..qwen2_5_omni.processor import Processor as QwenProcessor
+from .thinker import DEFAULT_SPEAKER
 
 
 class Processor(QwenProcessor):
@@ -15,6 +16,12 @@ class Processor(QwenProcessor):
 
     def __init__(self, model: str | None = None, system_prompt: str | None = None, chat_template: bool = True):
         super().__init__(model, system_prompt=system_prompt, chat_template=chat_template)
+
+    def __call__(self, payload, ctx) -> dict:
+        out = super().__call__(payload, ctx)
+        if payload.get("speaker") is None:  # generate's default voice (Qwen2.5-Omni's is another)
+            out["speaker"] = DEFAULT_SPEAKER
+        return out
 
     def media_of(self, messages: list[dict], origin=None, inserted: int = 0) -> tuple[list[dict], list, list]:
         for k, message in enumerate(messages):

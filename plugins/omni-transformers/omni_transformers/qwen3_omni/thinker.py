@@ -1,11 +1,29 @@
-"""Qwen3-Omni's MoE thinker on the kit's skeleton: its part of the checkpoint and M-RoPE positions (4 axes:
-the text axis, then the three rotary ones). Text prompts only so far (``speech: false``)."""
+"""Qwen3-Omni's MoE thinker on the kit's skeleton: its part of the checkpoint, M-RoPE positions (4 axes:
+the text axis, then the three rotary ones) and what its talker reads (``speech: true``).
+
+The talker's hand-offs, as ``Qwen3OmniMoeForConditionalGeneration.generate`` builds them: over the prompt,
+the thinker's input embeddings (hidden state 0) at text positions and its hidden state ``accept_hidden_layer``
+at audio/image positions; per generated token, its input embedding (streamed one step later, when it is fed
+back); in the first chunk, which prompt positions are user turns and which are media, the embeddings of
+``<tts_text_bos>``, ``<tts_text_eod>`` and ``<tts_pad>``, and the speaker's codec id (``speaker``: ``chelsie``,
+``ethan`` or ``aiden``, from the config; any case)."""
 
 from __future__ import annotations
+
+import torch
+from omni_core.errors import InvalidInput
 
 from ..kit.sampling import torch_dtype
 from ..kit.thinker import Thinker as KitThinker
 from ..kit.thinker import ThinkerEngine
+
+DEFAULT_SPEAKER = "ethan"  # generate's
+
+
+def omni_config(path):
+    import transformers
+
+    return transformers.Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
 
 
 def load_thinker(path, *, dtype: str | None = "auto", device: str = "cpu"):
@@ -13,7 +31,7 @@ def load_thinker(path, *, dtype: str | None = "auto", device: str = "cpu"):
     import transformers
 
     transformers.logging.set_verbosity_error()  # the report of the other parts' weights, not loaded here
-    config = transformers.Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
+    config = omni_config(path)
     want = torch_dtype(dtype)
     model = transformers.Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
         path, config=config.thinker_config, key_mapping={r"^thinker\.": ""}, local_files_only=True,
@@ -23,11 +41,65 @@ def load_thinker(path, *, dtype: str | None = "auto", device: str = "cpu"):
 
 class Qwen3ThinkerEngine(ThinkerEngine):
     position_axes = 4  # the text axis, then M-RoPE's three
+    hands_off = True
 
     def load_model(self, path, *, dtype: str, device: str):
+        self.accept_layer = omni_config(path).talker_config.accept_hidden_layer
         return load_thinker(path, dtype=dtype, device=device)
+
+    def step_conditioning(self, out) -> torch.Tensor:
+        return out.hidden_states[0][:, 0]  # the fed token's input embedding
+
+    def prompt_conditioning(self, out, state, start: int, end: int) -> torch.Tensor:
+        embeds = out.hidden_states[0][0]
+        if state.pre.media_mask is None:
+            return embeds
+        media = state.pre.media_mask[start:end].to(embeds.device)[:, None]
+        return torch.where(media, out.hidden_states[self.accept_layer][0], embeds)
 
 
 class Thinker(KitThinker):
     __doc__ = KitThinker.__doc__
     engine_class = Qwen3ThinkerEngine
+    head_keys = ("user", "media", "tts", "speaker")
+
+    def __init__(self, *args, speech: bool = True, **kwargs):
+        super().__init__(*args, speech=speech, **kwargs)
+
+    def setup_speech(self) -> None:
+        config = omni_config(self.path)
+        if not config.enable_audio_output:
+            raise ValueError(f"{self.path} has no talker (enable_audio_output: false); set speech: false")
+        self.speakers = {str(name).lower(): int(i) for name, i in config.talker_config.speaker_id.items()}
+        self.tts_ids = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
+        self.im_start, self.user_id, self.assistant_id = (config.im_start_token_id, config.user_token_id,
+                                                          config.assistant_token_id)
+
+    def speech_head(self, payload: dict) -> int:
+        name = payload.get("speaker") or DEFAULT_SPEAKER
+        codec = self.speakers.get(name.lower()) if isinstance(name, str) else None
+        if codec is None:
+            raise InvalidInput(f"speaker {name!r} is not one of this model's voices: {', '.join(sorted(self.speakers))}",
+                               field="speaker")
+        return codec
+
+    def head_extra(self, payload: dict, head: int) -> dict[str, torch.Tensor]:
+        ids = payload["input_ids"]
+        # The reply follows "<|im_start|>assistant\n": the talker's prefill reads those 3 positions.
+        if len(ids) < 3 or ids[-3] != self.im_start or ids[-2] != self.assistant_id:
+            raise InvalidInput("a spoken reply needs the prompt to end with the assistant's turn start "
+                               "(<|im_start|>assistant and a newline, as add_generation_prompt renders it)",
+                               field="input_ids")
+        # A position is in a user turn when the turn's role token (after its <|im_start|>) is the user's.
+        user, role = [], None
+        for k, token in enumerate(ids):
+            if token == self.im_start:
+                role = ids[k + 1] if k + 1 < len(ids) else None
+            user.append(role == self.user_id)
+        media = self.prefill_media(payload, len(ids))
+        return {"user": torch.tensor(user, dtype=torch.bool), "media": media,
+                "tts": self.engine.embeds(self.tts_ids), "speaker": torch.tensor([head], dtype=torch.long)}
+
+    def prefill_media(self, payload: dict, length: int) -> torch.Tensor:
+        """[L] bool: the prompt's audio/image placeholder positions (text prompts: none)."""
+        return torch.zeros(length, dtype=torch.bool)

@@ -1,0 +1,22 @@
+"""The qwen3_omni pipeline's wiring functions where its stage names differ from the kit's (its vocoder
+stage is ``code2wav``); the rest is the kit's (``kit.wiring``). Nothing here imports torch."""
+
+from __future__ import annotations
+
+from ..kit.wiring import TEXT
+
+VOCODER = "code2wav"
+
+
+def route_inputs(request_id, payload):
+    """Route function of the processor: thinker, talker and code2wav (a text-only request,
+    ``return_audio: false``: the text-only thinker ``text`` alone)."""
+    return [TEXT] if payload.get("return_audio") is False else ["thinker", "talker", VOCODER]
+
+
+def terminal_stages(inputs):
+    """terminal_stages function: ``text`` answers a request with ``return_audio: false``, code2wav
+    any other (a bad value is the processor's error)."""
+    if isinstance(inputs, dict) and inputs.get("return_audio") is False:
+        return [TEXT]
+    return [VOCODER]

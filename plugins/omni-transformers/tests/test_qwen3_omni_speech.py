@@ -1,0 +1,209 @@
+"""Qwen3-Omni's speech on the kit, in process: the talker's frames of 16 codes (code0 + the code predictor's 15)
+equal what transformers' ``generate(return_audio=True)`` decodes (greedy), alone and for 16 requests at once;
+code2wav streamed in chunks equals code2wav over all the frames; a reply with nothing to speak and a first
+code that is the end code give text and no audio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from omni_transformers.qwen3_omni import tiny
+
+pytestmark = [pytest.mark.timeout(900)]
+
+# Greedy margins on random weights are thin (some 1e-7): another matmul shape can flip a pick. These prompts'
+# margins hold, alone and batched, with the voice chelsie (checked against generate below).
+PROMPTS = ["Hello there, say something.", "What is up?", "Tell me a story", "hi", "Describe Paris.",
+           "Why is the sky blue?", "Count to five", "A haiku, please", "ok", "Name three colours.",
+           "What time is it?", "Say yes", "Spell omni", "Good morning!", "Help me", "Bye"]
+SPEAKER = "chelsie"
+THINKER_MAX, TALKER_MAX = 24, 64
+
+
+class Wire:
+    """One stage's stream to the next, in process: what one emits, the other reads (``None`` ends it)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.emitted: list = []
+
+    async def emit(self, chunk):
+        self.emitted.append(chunk)
+        await self.queue.put(chunk)
+
+    async def end(self):
+        await self.queue.put(None)
+
+    async def stream_from(self, source):
+        while (chunk := await self.queue.get()) is not None:
+            yield chunk
+
+
+class Reader:
+    """A stage context reading ``wire`` and emitting into its own wire."""
+
+    def __init__(self, wire: Wire):
+        self.source = wire
+        self.out = Wire()
+
+    async def emit(self, chunk):
+        await self.out.emit(chunk)
+
+    def stream_from(self, source):
+        return self.source.stream_from(source)
+
+
+async def speak(stages, payload: dict) -> tuple[dict, dict, dict]:
+    """thinker -> talker -> code2wav for one request: the three results."""
+    thinker, talker, code2wav = stages
+    to_talker = Wire()
+    talker_ctx = Reader(to_talker)
+    vocoder_ctx = Reader(talker_ctx.out)
+
+    async def run(stage, ctx, wire):
+        try:
+            return await stage(dict(payload), ctx)
+        finally:
+            await wire.end()
+
+    return await asyncio.gather(run(thinker, to_talker, to_talker), run(talker, talker_ctx, talker_ctx.out),
+                                code2wav(dict(payload), vocoder_ctx))
+
+
+def frames_of(codes: list[int]) -> list[list[int]]:
+    return [codes[i:i + 16] for i in range(0, len(codes), 16)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tiny(tmp_path_factory):
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_omni_tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def stages(qwen3_tiny):
+    from omni_transformers.kit.engines import EngineRegistry
+    from omni_transformers.qwen3_omni.code2wav import Code2Wav
+    from omni_transformers.qwen3_omni.processor import Processor
+    from omni_transformers.qwen3_omni.talker import Talker
+    from omni_transformers.qwen3_omni.thinker import Thinker
+
+    thinker = Thinker(str(qwen3_tiny), max_new_tokens=THINKER_MAX, engines=EngineRegistry())
+    talker = Talker(str(qwen3_tiny), do_sample=False, max_new_tokens=TALKER_MAX)
+    code2wav = Code2Wav(str(qwen3_tiny))
+    yield Processor(str(qwen3_tiny)), (thinker, talker, code2wav)
+
+    async def close():
+        for stage in (thinker, talker, code2wav):
+            await stage.close()
+
+    asyncio.run(close())
+
+
+def reference(qwen3_tiny, ids_list):
+    """transformers' generate (greedy thinker and talker): the reply's tokens and the frames code2wav decodes."""
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_tiny).eval()
+    out = []
+    for ids in ids_list:
+        decoded = []
+        hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
+        try:
+            seq, _ = model.generate(input_ids=torch.tensor([ids]), return_audio=True, speaker=SPEAKER,
+                                    thinker_eos_token_id=tok.eos_token_id, thinker_max_new_tokens=THINKER_MAX,
+                                    talker_do_sample=False, talker_max_new_tokens=TALKER_MAX)
+        finally:
+            hook.remove()
+        out.append((seq[0, len(ids):].tolist(), decoded[0][0].T.tolist()))
+    return out
+
+
+def test_frames_equal_generate_alone_and_16_at_once_equal_alone(qwen3_tiny, stages):
+    processor, chain = stages
+    payloads = [processor({"text": text, "speaker": SPEAKER}, None) for text in PROMPTS]
+    expected = reference(qwen3_tiny, [p["input_ids"] for p in payloads])
+
+    async def go():
+        alone = [await speak(chain, p) for p in payloads]
+        together = await asyncio.gather(*(speak(chain, p) for p in payloads))
+        return alone, together
+
+    alone, together = asyncio.run(go())
+    assert sum(len(frames) for _, frames in expected) > 100  # speech, not at once the end code
+    for (thought, talked, voiced), (tokens, frames) in zip(alone, expected, strict=True):
+        assert thought["token_ids"] == tokens
+        assert frames_of(talked["codes"]) == frames
+        assert voiced["codes"] == frames
+        assert voiced["audio"].numel() == (len(frames) * 1920 - 555 if frames else 0)
+    for (_, talked, voiced), (_, talked_alone, voiced_alone) in zip(together, alone, strict=True):
+        assert talked["codes"] == talked_alone["codes"]
+        # code2wav batches the chunks of concurrent requests: a batched row may differ in the last float bits
+        assert voiced["audio"].shape == voiced_alone["audio"].shape
+        if voiced["audio"].numel():
+            assert (voiced["audio"] - voiced_alone["audio"]).abs().max().item() < 1e-5
+
+
+def test_streamed_code2wav_equals_code2wav_over_all_frames(stages):
+    from omni_transformers.qwen3_omni.code2wav import STREAM_MAX_ABS_ERROR
+
+    _, (_, _, code2wav) = stages
+    frames = torch.randint(0, 2048, (300, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = code2wav.decode(frames)
+    assert whole.numel() == 300 * 1920 - 555 and whole.abs().max() > 0.01
+    synthesis = code2wav.new_synthesis(None, None)
+    chunks, n = [], 0
+    while True:  # the frames arrive one by one; a chunk is made as soon as the schedule allows
+        while n < len(frames) and not synthesis.ready(n, False):
+            n += 1
+        final = n == len(frames)
+        if not synthesis.ready(n, final):
+            break
+        chunks.append(synthesis.next_chunk(frames[:n], final))
+    assert len(chunks) >= 6 and chunks[0].numel() == 4 * 1920 - 555  # the first chunk: 4 frames, less their tail
+    joined = torch.cat(chunks)
+    assert joined.shape == whole.shape
+    assert (joined - whole).abs().max().item() < STREAM_MAX_ABS_ERROR
+
+
+def test_a_reply_with_nothing_to_say_and_a_first_end_code_give_text_and_no_audio(qwen3_tiny, stages):
+    from omni_transformers.kit.engines import EngineRegistry
+    from omni_transformers.qwen3_omni.talker import Talker
+    from omni_transformers.qwen3_omni.thinker import Thinker
+
+    processor, (thinker, talker, code2wav) = stages
+    payload = processor({"text": "What is up?", "speaker": SPEAKER}, None)
+    normal = asyncio.run(speak((thinker, talker, code2wav), payload))
+
+    # The thinker's first token is its end: no reply token to speak.
+    first = normal[0]["token_ids"][0]
+    silent = Thinker(str(qwen3_tiny), max_new_tokens=THINKER_MAX, eos_token_id=first, engines=EngineRegistry())
+    try:
+        thought, talked, voiced = asyncio.run(speak((silent, talker, code2wav), payload))
+    finally:
+        asyncio.run(silent.close())
+    assert thought["token_ids"] == [first] and talked["codes"] == []
+    assert voiced["codes"] == [] and voiced["audio"].numel() == 0
+
+    # The talker's first code is its end code.
+    code0 = normal[1]["codes"][0]
+    mute = Talker(str(qwen3_tiny), do_sample=False, max_new_tokens=TALKER_MAX, eos_token_id=[code0])
+    try:
+        thought, talked, voiced = asyncio.run(speak((thinker, mute, code2wav), payload))
+    finally:
+        asyncio.run(mute.close())
+    assert thought["token_ids"] == normal[0]["token_ids"] and thought["text"]
+    assert talked["codes"] == [] and voiced["audio"].numel() == 0
+
+
+def test_an_unknown_speaker_is_refused_naming_the_voices(stages):
+    from omni_core.errors import InvalidInput
+
+    processor, (thinker, talker, code2wav) = stages
+    payload = processor({"text": "hi", "speaker": "nobody"}, None)
+    with pytest.raises(InvalidInput, match="aiden, chelsie, ethan") as refused:
+        asyncio.run(speak((thinker, talker, code2wav), payload))
+    assert refused.value.field == "speaker"
