@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 from runtime_helpers import arun, no_leaks, pipeline, stage, until_state  # noqa: F401
+from test_stream_to_caller import read
 
 from omni_core import Pipeline
 
@@ -25,17 +26,6 @@ def config(buffer: int = 2) -> dict:
         stage("sink", "Echo", terminal=True),
         limits={"stream_buffer": buffer},
     )
-
-
-async def read(p: Pipeline, inputs: dict) -> tuple[list, dict]:
-    events, result = [], None
-    async for event in p.stream(inputs):
-        assert result is None, "an event after the result"
-        if event.is_result:
-            result = event.data
-        else:
-            events.append(event)
-    return events, result
 
 
 def check_chunks(events: list, n: int) -> None:
