@@ -165,5 +165,7 @@ def omni_register_apis(register: Register) -> None:
     says it serves an OpenAI-style chat completions route at ``PATH`` (streamed as server-sent
     chunks), which the console's chat tab then talks to; ``chat="package.module:function"``, a
     function of the pipeline's ``serve.options.NAME`` returning that path or None, says so per
-    pipeline (an API serving speech for some pipelines and chat for others).
+    pipeline (an API serving speech for some pipelines and chat for others). ``speech=`` and
+    ``transcription=`` do the same for OpenAI-style ``/v1/audio/speech`` and
+    ``/v1/audio/transcriptions`` routes (the console's Speech and Transcribe tabs).
     """

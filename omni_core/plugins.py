@@ -219,6 +219,12 @@ def _hook_problems(plugin: object) -> list[str]:
     return problems
 
 
+#: The registration keywords of an API naming an OpenAI-style route the console has a tab for.
+CONSOLE_ROUTES = {"chat": "chat completions route (like '/v1/chat/completions')",
+                  "speech": "speech route (like '/v1/audio/speech')",
+                  "transcription": "transcriptions route (like '/v1/audio/transcriptions')"}
+
+
 def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str) -> dict[str, Any]:
     """The checked registration metadata of one entry; a class registered as an object may carry
     it as class attributes instead (``capabilities``, ``options_schema``)."""
@@ -246,14 +252,16 @@ def _metadata(kind: str, name: str, obj: Any, given: dict[str, Any], where: str)
             raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: check= takes a function or a "
                               f"'package.module:function' path, got {value!r}")
         meta["check"] = value
-    if given.get("chat") is not None:  # an API's OpenAI-style chat completions route, for the console
-        value = given["chat"]
+    # An API's OpenAI-style routes the console has a tab for: chat completions, speech, transcriptions.
+    for key, route in CONSOLE_ROUTES.items():
+        if given.get(key) is None:
+            continue
+        value = given[key]
         if not isinstance(value, str) or not (value.startswith("/") or is_dotted_path(value)):
-            raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: chat= takes the path of its OpenAI-style "
-                              "chat completions route (like '/v1/chat/completions'), or a "
-                              "'package.module:function' path of fn(options) -> that path or None (when the "
-                              f"route depends on the pipeline's options), got {value!r}")
-        meta["chat"] = value
+            raise PluginError(f"{where}: {KIND_LABELS[kind]} {name!r}: {key}= takes the path of its OpenAI-style "
+                              f"{route}, or a 'package.module:function' path of fn(options) -> that path or None "
+                              f"(when the route depends on the pipeline's options), got {value!r}")
+        meta[key] = value
     if kind == "family":  # what serving a checkpoint folder decides from, without importing the family
         types, pipeline = given.get("model_types"), given.get("pipeline")
         if isinstance(types, str) or not types or not all(isinstance(t, str) and t for t in types):

@@ -53,7 +53,7 @@ KINDS: tuple[KindSpec, ...] = (
     KindSpec("placement", "placement strategy", "omni_register_placements", ("options",)),
     KindSpec("launcher", "launcher", "omni_register_launchers", ("options",)),
     KindSpec("pipeline", "pipeline", "omni_register_pipelines"),
-    KindSpec("api", "API", "omni_register_apis", ("options", "chat")),
+    KindSpec("api", "API", "omni_register_apis", ("options", "chat", "speech", "transcription")),
     KindSpec("family", "model family", "omni_register_families", ("model_types", "pipeline")),
 )
 

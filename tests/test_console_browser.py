@@ -237,27 +237,48 @@ def test_no_console_error_and_no_request_left_127_0_0_1(browser_page):
     assert any(url.endswith("/console/events") for _, url in watch.hosts)
 
 
-#: A speech pipeline behind the openai API: it mounts /v1/audio/speech, no chat completions route.
+#: Speech pipelines behind the openai API: each mounts /v1/audio/*, no chat completions route.
 SPEAKER = {
     "name": "speaker",
-    "stages": [{"name": "tts", "factory": "omni_test_stages:Echo", "terminal": True}],
+    "stages": [{"name": "tts", "factory": "console_stages:Tone", "terminal": True}],
     "serve": {"apis": ["openai"], "options": {"openai": {"kind": "tts", "audio_stage": "tts"}}},
+}
+LISTENER = {
+    "name": "listener",
+    "stages": [{"name": "asr", "factory": "console_stages:Heard", "terminal": True}],
+    "serve": {"apis": ["openai"], "options": {"openai": {"kind": "asr"}}},
 }
 
 
-def test_an_asr_or_tts_pipeline_has_no_chat_tab(browser_page, tmp_path):
-    """The chat tab shows only where the mounted API serves chat completions for this pipeline: the
-    openai API of a tts (or asr) pipeline serves /v1/audio/* instead, so the tab stays hidden (the
-    demo's page, a chat pipeline, shows it: test_the_chat_tab_talks_to_the_openai_api)."""
+def test_tts_and_asr_pipelines_get_speech_and_transcribe_tabs_and_no_chat(browser_page, tmp_path):
+    """The tabs follow what the mounted API serves each pipeline: the openai API of a tts pipeline
+    serves /v1/audio/speech (a Speech tab: text in, a WAV that plays), of an asr pipeline
+    /v1/audio/transcriptions (a Transcribe tab: a file in, its text); neither has a Chat tab. The
+    demo, a chat pipeline, keeps its Chat tab (test_the_chat_tab_talks_to_the_openai_api) and gets
+    neither of the others."""
+    import yaml
+
     from omni_core.testing.serve import ServerProcess
 
     browser = browser_page[0].context.browser  # the module's browser (one Playwright per process)
+    assert browser_page[0].get_by_test_id("tab-speech").is_hidden()
+    assert browser_page[0].get_by_test_id("tab-transcribe").is_hidden()
+    (tmp_path / "listener.yaml").write_text(yaml.safe_dump(LISTENER))
+    clip = tmp_path / "clip.wav"
+    with wave.open(str(clip), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\x10\x00" * 8000)
     env = {"OMNI_LOAD_PLUGINS": "contrib"}
-    with ServerProcess.of_config(SPEAKER, tmp_path, name="speaker", env=env, pythonpath=[Path(__file__).parent],
-                                 ready_timeout=300).serving() as srv:
-        topology = httpx.get(f"{srv.url}/console/state", timeout=30).json()["topology"]
-        assert topology["apis"] == ["openai"] and topology["chat"] is None
-        assert httpx.post(f"{srv.url}/v1/chat/completions", json={}, timeout=30).status_code == 404
+    with ServerProcess.of_config(SPEAKER, tmp_path, str(tmp_path / "listener.yaml"), name="speaker", env=env,
+                                 pythonpath=[Path(__file__).parent], ready_timeout=300).serving() as srv:
+        tabs = {}
+        for name in ("speaker", "listener"):
+            topo = httpx.get(f"{srv.url}/console/state", params={"pipeline": name}, timeout=30).json()["topology"]
+            tabs[name] = (topo["chat"], topo["speech"], topo["transcription"])
+        assert tabs == {"speaker": (None, "/v1/audio/speech", None),
+                        "listener": (None, None, "/v1/audio/transcriptions")}
         watch = Watch()
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         try:
@@ -265,11 +286,27 @@ def test_an_asr_or_tts_pipeline_has_no_chat_tab(browser_page, tmp_path):
             page = context.new_page()
             page.set_default_timeout(TIMEOUT_MS)
             page.on("pageerror", lambda exc: watch.errors.append(f"page error: {exc}"))
-            page.goto(srv.url + "/")
-            page.get_by_test_id("stage-row-tts").wait_for()  # the topology is drawn (the tab set with it)
-            assert text(page, "pipeline-name") == "speaker"
-            assert page.get_by_test_id("tab-chat").is_hidden()
-            assert page.get_by_test_id("tab-request").is_visible()
+
+            page.goto(srv.url + "/?pipeline=speaker")
+            page.get_by_test_id("stage-row-tts").wait_for()  # the topology is drawn (the tabs set with it)
+            assert page.get_by_test_id("tab-chat").is_hidden() and page.get_by_test_id("tab-transcribe").is_hidden()
+            page.get_by_test_id("tab-speech").click()
+            page.get_by_test_id("speech-input").fill("one two three")
+            page.get_by_test_id("speech-send").click()
+            page.wait_for_function("() => document.querySelector('[data-testid=speech-audio]').duration > 0")
+            seconds = page.evaluate("() => document.querySelector('[data-testid=speech-audio]').duration")
+            assert abs(seconds - 0.3) < 0.01  # three words, a 0.1 s tone each
+            assert text(page, "speech-status").endswith("bytes of WAV")
+
+            page.goto(srv.url + "/?pipeline=listener")
+            page.get_by_test_id("stage-row-asr").wait_for()
+            assert page.get_by_test_id("tab-chat").is_hidden() and page.get_by_test_id("tab-speech").is_hidden()
+            page.get_by_test_id("tab-transcribe").click()
+            page.get_by_test_id("transcribe-file").set_input_files(str(clip))
+            page.get_by_test_id("transcribe-send").click()
+            page.wait_for_function(
+                "() => document.querySelector('[data-testid=transcribe-text]').textContent.length > 0")
+            assert text(page, "transcribe-text") == "8000 samples at 16000 Hz"
         finally:
             context.close()
         assert watch.errors == [] and watch.refused == []

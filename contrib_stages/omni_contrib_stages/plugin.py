@@ -168,10 +168,14 @@ REALTIME_OPTIONS: dict[str, Option] = {
 #: Each API's options schema, by API name.
 API_OPTIONS: dict[str, dict[str, Option]] = {"openai": OPENAI_OPTIONS, "realtime": REALTIME_OPTIONS}
 
-#: Each API's OpenAI-style chat completions route, by API name (the console's chat tab talks to
-#: it): for ``openai``, a function of the pipeline's options, since an asr or tts pipeline mounts
-#: /v1/audio/* instead of /v1/chat/completions.
-API_CHAT: dict[str, str] = {"openai": "omni_contrib_stages.plugin:chat_route"}
+#: Each API's OpenAI-style routes the console has a tab for (chat, speech, transcription), by API
+#: name: for ``openai``, functions of the pipeline's options, since a pipeline's ``kind`` decides
+#: which it mounts (chat: /v1/chat/completions; tts: /v1/audio/speech; asr: /v1/audio/transcriptions).
+API_CONSOLE_ROUTES: dict[str, dict[str, str]] = {"openai": {
+    "chat": "omni_contrib_stages.plugin:chat_route",
+    "speech": "omni_contrib_stages.plugin:speech_route",
+    "transcription": "omni_contrib_stages.plugin:transcription_route",
+}}
 
 
 def chat_route(options: Mapping[str, Any]) -> str | None:
@@ -180,7 +184,18 @@ def chat_route(options: Mapping[str, Any]) -> str | None:
     return "/v1/chat/completions" if options.get("kind", "chat") == "chat" else None
 
 
+def speech_route(options: Mapping[str, Any]) -> str | None:
+    """The ``openai`` API's speech route: for a ``kind: tts`` pipeline only."""
+    return "/v1/audio/speech" if options.get("kind") == "tts" else None
+
+
+def transcription_route(options: Mapping[str, Any]) -> str | None:
+    """The ``openai`` API's transcriptions route: for a ``kind: asr`` pipeline only."""
+    return "/v1/audio/transcriptions" if options.get("kind") == "asr" else None
+
+
 @omni_core.hookimpl
 def omni_register_apis(register):
     for name, target, description in APIS:
-        register(name, target, description=description, options=API_OPTIONS[name], chat=API_CHAT.get(name))
+        register(name, target, description=description, options=API_OPTIONS[name],
+                 **API_CONSOLE_ROUTES.get(name, {}))

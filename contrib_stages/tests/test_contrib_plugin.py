@@ -43,13 +43,19 @@ def test_every_registered_name_resolves_to_what_it_says(plugins):
     assert registry.names("api") == ["openai", "realtime"]
     assert callable(registry.resolve("api", "openai")) and callable(registry.resolve("api", "realtime"))
     # the console's chat tab finds the chat route by asking the registry
-    from omni_contrib_stages.plugin import chat_route
-    from omni_core.serve.console import chat_path
+    from omni_contrib_stages.plugin import chat_route, speech_route, transcription_route
+
+    from omni_core.serve.console import chat_path, route_path
 
     assert registry.get("api", "openai").meta["chat"] == "omni_contrib_stages.plugin:chat_route"
     assert chat_route({}) == chat_route({"kind": "chat"}) == "/v1/chat/completions"
     assert chat_route({"kind": "asr"}) is None and chat_route({"kind": "tts"}) is None  # /v1/audio/* instead
     assert chat_path(("openai",), registry, {"openai": {"kind": "tts"}}) is None
+    # the Speech and Transcribe tabs: one route each, for the kind that mounts it
+    assert [speech_route({"kind": k}) for k in ("chat", "asr", "tts")] == [None, None, "/v1/audio/speech"]
+    assert [transcription_route({"kind": k}) for k in ("chat", "asr", "tts")] == [None, "/v1/audio/transcriptions", None]
+    assert route_path("speech", ("openai",), registry, {"openai": {"kind": "tts"}}) == "/v1/audio/speech"
+    assert route_path("transcription", ("openai",), registry, {}) is None
     assert "chat" not in registry.get("api", "realtime").meta
 
 

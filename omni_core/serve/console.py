@@ -105,6 +105,8 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
     cfg = plan.config
     apis = state.apis if hasattr(state, "apis") else state.settings.apis  # the APIs serving this pipeline
     chat = chat_path(apis, registry, cfg.serve.options)
+    speech = route_path("speech", apis, registry, cfg.serve.options)
+    transcription = route_path("transcription", apis, registry, cfg.serve.options)
     groups = []
     for name in plan.groups:
         procs = plan.group(name)
@@ -126,6 +128,8 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
                    "label": e.relay if e.kind == "next" else f"stream: {e.relay}"} for e in plan.edges],
         "apis": list(apis),
         "chat": chat,
+        "speech": speech,
+        "transcription": transcription,
         "openai": chat is not None,  # the former name of "chat is not None"
         "example": to_jsonable(example_input(state)),
         "requests_path": f"/v1/pipelines/{cfg.name}/requests",
@@ -134,23 +138,30 @@ def topology(state: ServeState, registry: Any = None) -> dict[str, Any] | None:
 
 def chat_path(apis: Any, registry: Any = None, options: Any = None) -> str | None:
     """The path of the chat completions route of the first mounted API whose registration says it
-    serves one for this pipeline: ``register(..., chat="/v1/chat/completions")``, or
-    ``chat="pkg.mod:fn"``, ``fn(the pipeline's serve.options[API])`` giving the path or None (an API
-    that mounts speech routes instead of chat for some pipelines). The console's chat tab talks to
-    it; without one (None) the tab is not shown."""
+    serves one for this pipeline (:func:`route_path` ``"chat"``)."""
+    return route_path("chat", apis, registry, options)
+
+
+def route_path(key: str, apis: Any, registry: Any = None, options: Any = None) -> str | None:
+    """The path of the OpenAI-style ``key`` route (``chat``, ``speech``, ``transcription``) of the
+    first mounted API whose registration says it serves one for this pipeline:
+    ``register(..., chat="/v1/chat/completions")``, or ``chat="pkg.mod:fn"``, ``fn(the pipeline's
+    serve.options[API])`` giving the path or None (an API that mounts speech routes instead of chat
+    for some pipelines). The console's tab for it talks to that path; without one (None) the tab is
+    not shown."""
     from ..plugins import get_registry
     from ..registry import import_ref
 
     try:
         registry = registry if registry is not None else get_registry()
         for name in apis:
-            if registry.kind_of(name, ("api",)) != "api" or not (chat := registry.get("api", name).meta.get("chat")):
+            if registry.kind_of(name, ("api",)) != "api" or not (path := registry.get("api", name).meta.get(key)):
                 continue
-            if not str(chat).startswith("/"):  # decided per pipeline, from its options for this API
+            if not str(path).startswith("/"):  # decided per pipeline, from its options for this API
                 mine = (options or {}).get(name) if isinstance(options, dict) else None
-                chat = import_ref(chat)(dict(mine) if isinstance(mine, dict) else {})
-            if chat:
-                return str(chat)
+                path = import_ref(path)(dict(mine) if isinstance(mine, dict) else {})
+            if path:
+                return str(path)
     except Exception:  # the tab is a courtesy: never fail the page over it
         return None
     return None

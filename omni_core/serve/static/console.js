@@ -185,7 +185,10 @@ function onTopology(topo) {
     exampleShown = true;
     $("playground-input").value = JSON.stringify(topo.example, null, 2);
   }
+  // the tabs of the OpenAI-style routes a mounted API serves this pipeline (chat, speech, transcription)
   document.querySelector('[data-tab="chat"]').hidden = !topo.chat;
+  document.querySelector('[data-tab="speech"]').hidden = !topo.speech;
+  document.querySelector('[data-tab="transcribe"]').hidden = !topo.transcription;
 }
 
 function onState(st) {
@@ -504,16 +507,78 @@ async function sendChat() {
   }
 }
 
+// -- the speech and transcribe tabs (an API registered with speech= / transcription=) ----------------------
+
+async function sendSpeech() {
+  const text = $("speech-input").value.trim();
+  const status = $("speech-status");
+  if (!text || !topology || !topology.speech) return;
+  $("speech-send").disabled = true;
+  status.textContent = "speaking…";
+  status.classList.remove("state-error");
+  try {
+    const response = await fetch(topology.speech, {
+      method: "POST", headers: { "content-type": "application/json" },
+      body: JSON.stringify({ model: topology.pipeline, input: text, voice: $("speech-voice").value.trim(),
+                             response_format: "wav" }),
+    });
+    if (!response.ok) {
+      status.textContent = await errorText(response);
+      status.classList.add("state-error");
+      return;
+    }
+    const wav = await response.blob();
+    const player = $("speech-audio");
+    if (player.src) URL.revokeObjectURL(player.src);
+    player.src = URL.createObjectURL(wav);
+    player.hidden = false;
+    status.textContent = `${wav.size} bytes of WAV`;
+  } catch (err) {
+    status.textContent = `the request failed: ${err.message}`;
+    status.classList.add("state-error");
+  } finally {
+    $("speech-send").disabled = false;
+  }
+}
+
+async function sendTranscription() {
+  const file = $("transcribe-file").files[0];
+  const status = $("transcribe-status");
+  if (!file || !topology || !topology.transcription) return;
+  $("transcribe-send").disabled = true;
+  status.textContent = "transcribing…";
+  status.classList.remove("state-error");
+  try {
+    const form = new FormData();
+    form.append("file", file, file.name);
+    form.append("model", topology.pipeline);
+    const response = await fetch(topology.transcription, { method: "POST", body: form });
+    if (!response.ok) {
+      status.textContent = await errorText(response);
+      status.classList.add("state-error");
+      return;
+    }
+    $("transcribe-text").textContent = (await response.json()).text;
+    status.textContent = file.name;
+  } catch (err) {
+    status.textContent = `the request failed: ${err.message}`;
+    status.classList.add("state-error");
+  } finally {
+    $("transcribe-send").disabled = false;
+  }
+}
+
 function showTab(name) {
   for (const tab of document.querySelectorAll(".tab")) tab.classList.toggle("active", tab.dataset.tab === name);
-  $("tab-request").hidden = name !== "request";
-  $("tab-chat").hidden = name !== "chat";
+  for (const body of ["request", "chat", "speech", "transcribe"]) $(`tab-${body}`).hidden = name !== body;
 }
 
 document.addEventListener("DOMContentLoaded", () => {
   $("playground-send").addEventListener("click", sendRequest);
   $("chat-send").addEventListener("click", sendChat);
   $("chat-input").addEventListener("keydown", (ev) => { if (ev.key === "Enter") sendChat(); });
+  $("speech-send").addEventListener("click", sendSpeech);
+  $("transcribe-send").addEventListener("click", sendTranscription);
   for (const tab of document.querySelectorAll(".tab")) tab.addEventListener("click", () => showTab(tab.dataset.tab));
   connect();
 });
