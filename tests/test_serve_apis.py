@@ -4,7 +4,6 @@ a real server; the CLI's answers to mistakes (no traceback); the pieces ``omni s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
@@ -26,13 +25,9 @@ CONFIG = str(HERE / "configs" / "serve" / "words.yaml")
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_third_party_api_is_mounted_through_the_hook(plugin_site_dir, tmp_path):
-    config = tmp_path / "words.yaml"
-    config.write_text(Path(CONFIG).read_text() + "serve:\n  options:\n    acme.api: {greeting: hi}\n")
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(plugin_site_dir), str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "OMNI_LOAD_PLUGINS": "good",
-    }
-    server = ServerProcess(str(config), "--api", "acme.api", env=env).start()
+    config = Path(CONFIG).read_text() + "serve:\n  options:\n    acme.api: {greeting: hi}\n"
+    server = ServerProcess.of_config(config, tmp_path, "--api", "acme.api", name="words", cwd=Path.cwd(),
+                                     env={"OMNI_LOAD_PLUGINS": "good"}, pythonpath=[plugin_site_dir, HERE]).start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             r = client.post("/v1/acme/echo", json={"text": "via plugin"})

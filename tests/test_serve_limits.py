@@ -6,7 +6,6 @@ ever holds more of it than the limit."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import httpx
@@ -44,11 +43,9 @@ def refused(response: httpx.Response) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_route_refuses_a_body_over_the_limit_declared_or_chunked(plugin_site_dir, tmp_path):
-    config = tmp_path / "words.yaml"
-    config.write_text(WORDS.read_text() + f"serve:\n  max_request_bytes: {LIMIT}\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(plugin_site_dir), str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMNI_LOAD_PLUGINS": "good"}
-    server = ServerProcess(str(config), "--api", "acme.api", env=env).start()
+    config = WORDS.read_text() + f"serve:\n  max_request_bytes: {LIMIT}\n"
+    server = ServerProcess.of_config(config, tmp_path, "--api", "acme.api", name="words", cwd=Path.cwd(),
+                                     env={"OMNI_LOAD_PLUGINS": "good"}, pythonpath=[plugin_site_dir, HERE]).start()
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             padding = " " * (LIMIT - 200)
