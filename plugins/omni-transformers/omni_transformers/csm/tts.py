@@ -285,7 +285,8 @@ class MimiSynthesis:
         n = len(frames)
         if n <= self.done:
             return None
-        end = n if final else min(n, self.done + self.size)
+        end = min(n, self.done + self.size)  # never more than the schedule's size: the chunks depend on the
+        # frames alone, not on how many arrived before the talker ended
         begin = self.schedule.window_start(self.done)
         codes = torch.tensor(frames[begin:end], dtype=torch.long).T[None]  # [1, codebooks, frames]
         window = MimiWindow(self, codes, begin, self.done, end)

@@ -1,0 +1,113 @@
+"""Whisper beside other pipelines in one ``omni serve``: ``omni serve demo WHISPER_DIR CSM_DIR --api realtime`` (the
+contrib demo, a tiny Whisper and a tiny CSM checkpoint folder). ``/v1/models`` lists the three; each audio route
+answers for its own model; a realtime session of the demo with ``input_audio_transcription`` on the whisper
+pipeline gets, for each committed turn, deltas and a ``.completed`` transcript equal to the whisper pipeline's own
+transcription of the same audio (``POST /v1/audio/transcriptions``), with the official ``openai`` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import wave
+
+import numpy as np
+import openai
+import pytest
+from omni_core.testing.serve import ServerProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from omni_transformers.csm.tiny import write_tiny_checkpoint as write_csm
+    from omni_transformers.whisper.tiny import write_tiny_checkpoint as write_whisper
+
+    tmp = tmp_path_factory.mktemp("speech-multi")
+    whisper, csm = write_whisper(tmp / "whisper"), write_csm(tmp / "csm")
+    srv = ServerProcess("demo", str(whisper), str(csm), "--api", "realtime", cwd=str(tmp), ready_timeout=300)
+    with srv.serving(stop_timeout=120):
+        yield srv
+
+
+def pcm24k(seconds: float, seed: int) -> bytes:
+    """PCM16 at 24 kHz (the realtime API's format): a tone and noise, seeded."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 24000)) / 24000
+    samples = 0.3 * np.sin(2 * np.pi * (220 + 50 * seed) * t) + 0.05 * rng.standard_normal(t.size)
+    return (samples * 32767).astype("<i2").tobytes()
+
+
+def as_wav(pcm: bytes, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return buf.getvalue()
+
+
+async def events_until(conn, kind: str, timeout: float = 120.0) -> list:
+    events: list = []
+
+    async def read() -> list:
+        async for event in conn:
+            events.append(event)
+            if event.type == kind:
+                return events
+        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
+
+
+def test_one_server_answers_each_model_on_its_own_route(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
+        assert [m.id for m in sdk.models.list().data] == ["demo", "whisper", "csm"]
+        text = sdk.audio.transcriptions.create(model="whisper", file=("a.wav", as_wav(pcm24k(1.0, 1)))).text
+        assert text
+        speech = sdk.audio.speech.create(model="csm", voice="1", input="hello", response_format="pcm")
+        assert len(speech.content) % (1920 * 2) == 0 and speech.content
+        with pytest.raises(openai.BadRequestError, match="does not serve"):
+            sdk.audio.speech.create(model="whisper", voice="0", input="hello")
+
+
+def test_each_committed_turn_is_transcribed_by_the_whisper_pipeline(server):
+    turns = [pcm24k(1.5, 2), pcm24k(0.8, 3)]
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
+        answers = [sdk.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t), "audio/wav"))
+                   for t in turns]
+    expected = [a.text for a in answers]
+    assert all(expected) and expected[0] != expected[1]
+
+    async def main() -> list[list]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="demo", max_retries=0) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "whisper", "language": "en"}}}})
+            updated = await events_until(conn, "session.updated")
+            assert updated[-1].session.audio.input.transcription.model == "whisper"
+            seen = []
+            for turn in turns:
+                for i in range(0, len(turn), 4800):
+                    await conn.input_audio_buffer.append(audio=base64.b64encode(turn[i:i + 4800]).decode())
+                await conn.input_audio_buffer.commit()
+                seen.append(await events_until(conn, "conversation.item.input_audio_transcription.completed"))
+            return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 300))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
+        in_english = [sdk.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t)), language="en").text
+                      for t in turns]
+    for events, want in zip(seen, in_english, strict=True):
+        assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
+        item_id = next(e.item_id for e in events if e.type == "input_audio_buffer.committed")
+        deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+        done = events[-1]
+        assert deltas and all(d.item_id == item_id for d in deltas)
+        assert done.item_id == item_id
+        assert done.transcript == want == "".join(d.delta for d in deltas)
