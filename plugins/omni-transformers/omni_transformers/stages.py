@@ -15,7 +15,8 @@ Streams (the typed chunks of ``omni_transformers.kit.chunks``; docs/models.md li
   "reply" [H]}`` (the thinker's input embedding + last hidden state of the token it just fed),
   then ``{"final": true, "text"}`` (text held back by incremental detokenisation).
 - talker → token2wav: ``{"text", "token_ids"}`` as the thinker's text arrives, ``{"codes": [...]}``
-  every ``codes_per_chunk`` codes, then ``{"codes": [...], "final": true, "rng_state"}``.
+  when the codes so far reach 1, 2, 4, 8 (``first_codes_per_chunk`` doubling), then every
+  ``codes_per_chunk`` codes, then ``{"codes": [...], "final": true, "rng_state"}``.
 - token2wav → caller: the text chunks and, as the codes arrive, ``{"audio", "sample_rate"}``
   chunks of the speech; its result is
   ``{"text", "token_ids", "codes", "audio", "sample_rate"}``.

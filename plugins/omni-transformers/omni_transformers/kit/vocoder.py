@@ -1,5 +1,5 @@
 """The streaming vocoder skeleton: codec codes → waveform, synthesised in chunks as the talker's
-frames arrive, chunks of concurrent requests batched (``omni_core.MicroBatcher``).
+frames arrive, chunks of concurrent requests batched (:class:`ChunkBatcher`, first chunks first).
 
 A family subclasses :class:`StreamingVocoder` and fills its hooks:
 
@@ -23,7 +23,8 @@ A family subclasses :class:`StreamingVocoder` and fills its hooks:
 
 Scheduling (:class:`ChunkBatcher`): a request's first chunk is served before other requests'
 later chunks (``first_chunk_priority``), and a later chunk passed over by ``max_passed_over``
-batches is served before any newer chunk, so no request starves.
+batches is served before any newer chunk, so no request starves. While a batch with a first
+chunk runs, a talker in the same process holds back between its steps (:class:`FirstChunkGate`).
 
 ``codebooks`` is the codes per frame the stage takes (a talker's ``CodesChunk.codebooks``); a frame
 is an int for 1, a list of ``codebooks`` ints otherwise. The stage streams ``{"audio",
