@@ -132,6 +132,8 @@ def test_four_concurrent_greedy_requests_each_equal_their_lone_result(server, re
 
 
 def test_requests_with_different_settings_never_change_each_other(server, reference):
+    """A greedy request and a sampled one (seeded) run in one batch: the greedy codes stay generate's, the sampled
+    ones what the same request draws alone; nothing sticks to the model after them."""
     greedy = {"text": "hello there", "max_new_tokens": 8, **GREEDY}
     sampled = {"text": "hello there", "max_new_tokens": 8, "do_sample": False, "depth_decoder_do_sample": True,
                "depth_decoder_temperature": 1.5, "seed": 7}
@@ -141,6 +143,7 @@ def test_requests_with_different_settings_never_change_each_other(server, refere
         got = list(pool.map(lambda inputs: native(server, **inputs)["codes"], [sampled, greedy, sampled, greedy]))
     assert got[1] == got[3] == want  # the sampled depth decoder never leaked into the greedy requests
     assert got[0] == got[2] != want  # the same seed, the same draw
+    assert native(server, **sampled)["codes"] == got[0]  # and alone the same as beside the others
     assert native(server, **greedy)["codes"] == want  # nor after them
 
 

@@ -3,31 +3,33 @@
 - :class:`Processor`: ``{"text", "voice"?}`` → the prompt (the chat template's ``[voice]text`` turn) and the
   request's generation settings, checked (an unknown voice is an ``InvalidInput`` naming the voices);
 - :class:`Talker`: the prompt → frames of ``num_codebooks`` codes (the backbone's codebook 0, the depth decoder's
-  others), concurrent requests in one ``generate`` per micro-batch group (requests with equal settings; a sampled
-  request runs alone, seeded), each row's frames streamed to the vocoder as they come; the end frame (all codebooks
-  but the last 0) ends the row and is not spoken;
+  others), concurrent requests in one ``generate`` per micro-batch whatever their settings (each row's codes chosen
+  by its own samplers and generator), each row's frames streamed to the vocoder as they come; a row ends at its end
+  frame (all codebooks but the last 0: not spoken) or its ``max_new_tokens``, and its caller is answered then;
 - :class:`MimiVocoder`: the frames → 24 kHz audio as they arrive (``kit.vocoder.StreamingVocoder``): Mimi keeps no
   convolution state across calls, so each chunk is decoded again with ``lookback_frames`` frames of left context
   and only its own frames' samples kept.
 
 Per-request settings never leak: transformers' CSM ``generate`` writes its ``depth_decoder_*`` arguments into the
-depth decoder's shared generation config, so after a sampled request a greedy one would sample. The talker gives
-every ``generate`` a copy of the checkpoint's configs and puts the depth decoder's own back after each call.
+depth decoder's shared generation config (after one sampled request, later greedy ones sample). The talker passes
+none: the settings live in each row's samplers, and the depth decoder's config is put back after every call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 from typing import Any
 
 import attrs
 import torch
 from omni_core.errors import InvalidInput
 from omni_core.kits import MicroBatcher
+from transformers import LogitsProcessor
 
 from ..kit.chunks import CodesChunk
-from ..kit.sampling import resolve_model_path, torch_dtype
+from ..kit.sampling import Sampler, make_generator, resolve_model_path, torch_dtype
 from ..kit.streams import request_seed
 from ..kit.vocoder import ChunkSchedule, StreamingVocoder
 
@@ -35,7 +37,7 @@ from ..kit.vocoder import ChunkSchedule, StreamingVocoder
 SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "depth_decoder_do_sample", "depth_decoder_temperature",
             "depth_decoder_top_k", "depth_decoder_top_p")
 DEFAULT_VOICES = ("0", "1")
-_DONE = object()
+END = "end"
 
 
 def _setting(name: str, value: Any) -> Any:
@@ -94,36 +96,49 @@ class Processor:
 
 @attrs.define(eq=False)
 class Utterance:
-    """One request in a batch: its prompt and settings, and the queue its frames go to."""
+    """One request in a batch: its prompt, its samplers (backbone, depth decoder; one generator, its seed's) and
+    the queue its frames go to (then ``(END, ended)``)."""
 
     input_ids: list[int]
-    settings: dict
-    max_new: int | None
-    seed: int
+    backbone: Sampler
+    depth: Sampler
+    max_new: int
     loop: asyncio.AbstractEventLoop
     frames: asyncio.Queue = attrs.field(factory=asyncio.Queue)
-
-    @property
-    def sampled(self) -> bool:
-        return any(v for k, v in self.settings.items() if k.endswith("do_sample"))
-
-    @property
-    def group(self) -> tuple:
-        """Utterances of one group share a ``generate`` call (a sampled one runs alone, with its own seed)."""
-        return tuple(sorted(self.settings.items())), self.max_new, id(self) if self.sampled else None
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.frames.put_nowait, item)
 
 
+class RowSampling(LogitsProcessor):
+    """Each row's next token chosen by its own sampler (its settings, its generator); the scores ``generate`` gets
+    back allow that token alone, so its own choice (argmax) is the row's. Rows of any settings share a batch and
+    each draws exactly what it draws alone."""
+
+    def __init__(self, samplers: list[Sampler]):
+        self.samplers = samplers
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(scores, -torch.inf)
+        for i, sampler in enumerate(self.samplers):
+            out[i, sampler(input_ids[i:i + 1].reshape(1, -1), scores[i:i + 1])] = 0.0
+        return out
+
+
 class FrameStreamer:
-    """A CSM ``generate`` streamer handing each row's frames to its utterance, up to its end frame."""
+    """A CSM ``generate`` streamer handing each row's frames to its utterance; a row ends at its end frame (all
+    codebooks but the last ``eos``: not audio) or its ``max_new`` frames, whatever the rest of the batch does."""
 
     def __init__(self, rows: list[Utterance], eos: int):
         self.rows = rows
         self.eos = eos
         self.prompt_seen = False
+        self.made = [0] * len(rows)
         self.done = [False] * len(rows)
+
+    def _end(self, i: int, ended: bool) -> None:
+        self.done[i] = True
+        self.rows[i].put((END, ended))
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate's first put is the text prompt
@@ -132,13 +147,18 @@ class FrameStreamer:
         for i, frame in enumerate(value.tolist()):
             if self.done[i]:
                 continue
-            if all(c == self.eos for c in frame[:-1]):  # the end frame: not audio
-                self.done[i] = True
+            if all(c == self.eos for c in frame[:-1]):
+                self._end(i, True)
                 continue
             self.rows[i].put([int(c) for c in frame])
+            self.made[i] += 1
+            if self.made[i] >= self.rows[i].max_new:
+                self._end(i, False)
 
     def end(self) -> None:
-        pass
+        for i, done in enumerate(self.done):
+            if not done:
+                self._end(i, False)
 
 
 class Talker:
@@ -147,9 +167,11 @@ class Talker:
     "completion_tokens", "finish_reason"}``.
 
     The checkpoint's generation config decides (as in ``generate``: CSM's samples); a request's ``do_sample``,
-    ``temperature``, ``top_k``, ``top_p`` and their ``depth_decoder_*`` forms override it for that request alone.
-    ``max_batch_size`` / ``max_wait``: the micro-batcher; ``max_new_tokens``: the most frames (null: the
-    checkpoint's)."""
+    ``temperature``, ``top_k``, ``top_p`` and their ``depth_decoder_*`` forms override it for that request alone,
+    and its ``seed`` seeds its own generator. Concurrent requests share one ``generate`` per micro-batch whatever
+    their settings: each row's tokens are chosen by its own sampler (:class:`RowSampling`), so a request draws the
+    same codes alone or in a batch. ``max_batch_size`` / ``max_wait``: the micro-batcher; ``max_new_tokens``: the
+    most frames (null: the checkpoint's)."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  max_batch_size: int = 8, max_wait: float = 0.01, max_new_tokens: int | None = None,
@@ -171,74 +193,76 @@ class Talker:
         self.codes_per_chunk = max(1, int(codes_per_chunk))
         self.batcher = MicroBatcher(self._batch, max_batch_size=max_batch_size, max_wait=max_wait, name="csm")
 
+    def sampler(self, settings: dict, prefix: str, config, generator: torch.Generator) -> Sampler:
+        """The sampler of the backbone (``prefix`` "") or the depth decoder (``"depth_decoder_"``): the
+        checkpoint's settings with the request's over them."""
+        def get(name: str) -> Any:
+            value = settings.get(prefix + name)
+            return getattr(config, name, None) if value is None else value
+
+        return Sampler(do_sample=bool(get("do_sample")), temperature=get("temperature"), top_k=get("top_k"),
+                       top_p=get("top_p"), generator=generator, device=self.device)
+
     async def __call__(self, payload: dict, ctx) -> dict:
         ids = payload.get("input_ids")
         if not isinstance(ids, list) or not ids:
             raise InvalidInput("the talker's payload needs 'input_ids' (the CSM processor's output)",
                                field="input_ids")
-        row = Utterance(ids, dict(payload.get("settings") or {}), payload.get("max_new_tokens") or self.max_new_tokens,
-                        request_seed(payload), asyncio.get_running_loop())
+        settings = dict(payload.get("settings") or {})
+        generator = make_generator(request_seed(payload), self.device)
+        row = Utterance(ids, self.sampler(settings, "", self.generation_config, generator),
+                        self.sampler(settings, "depth_decoder_", self.depth_config, generator),
+                        payload.get("max_new_tokens") or self.max_new_tokens, asyncio.get_running_loop())
         job = asyncio.ensure_future(self.batcher.submit(row))
-        job.add_done_callback(lambda _: row.frames.put_nowait(_DONE))
+        job.add_done_callback(lambda _: row.frames.put_nowait((END, None)))
         codes: list[list[int]] = []
         pending: list[int] = []
         try:
-            while (frame := await row.frames.get()) is not _DONE:
-                codes.append(frame)
-                pending.extend(frame)
+            while not isinstance(item := await row.frames.get(), tuple):
+                codes.append(item)
+                pending.extend(item)
                 if len(pending) >= self.codes_per_chunk * self.codebooks:
                     await ctx.emit(CodesChunk(pending, self.codebooks).to_wire())
                     pending = []
-            ended = await job
+            if item[1] is None:  # the batch ended before the row did: what it raised
+                await job
+                raise RuntimeError("the CSM batch ended without this request's end")
         finally:
-            job.cancel()
+            if not job.done():
+                job.cancel()  # the batch goes on for its other rows; this one has all its frames
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(codes),
-                 "finish_reason": "stop" if ended else "length"}
+                 "finish_reason": "stop" if item[1] else "length"}
         await ctx.emit(CodesChunk(pending, self.codebooks, final=True).to_wire())
         await ctx.emit(usage)
         return {"codes": codes, **usage}
 
     # -- the batch (a worker thread) ----------------------------------------------------------------
-    def generate(self, rows: list[Utterance]) -> list[bool]:
-        """One ``generate`` over utterances of one group; whether each row ended (its end frame came)."""
-        first = rows[0]
+    def _batch(self, rows: list[Utterance]) -> list[Any]:
+        """One ``generate`` for every utterance of the batch (the prompts padded on the left)."""
+        from transformers import LogitsProcessorList
+
         width = max(len(r.input_ids) for r in rows)
         ids = torch.tensor([[self.pad] * (width - len(r.input_ids)) + r.input_ids for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in rows],
                             device=self.device)
         config = copy.deepcopy(self.generation_config)
-        config.update(**{k: v for k, v in first.settings.items() if not k.startswith("depth_decoder_")})
-        config.max_new_tokens = first.max_new
-        depth = {k: v for k, v in first.settings.items() if k.startswith("depth_decoder_")}
+        config.do_sample = False  # the rows' own samplers choose (RowSampling)
+        config.max_new_tokens = max(r.max_new for r in rows)
         streamer = FrameStreamer(rows, self.eos)
-        self.model.depth_decoder.generation_config = copy.deepcopy(self.depth_config)
+        depth = self.model.depth_decoder
+        depth.generation_config = copy.deepcopy(self.depth_config)
+        # CSM's generate calls the depth decoder's generate once per frame with no per-call options: for this call
+        # it gets the rows' depth samplers (and greedy selection of what they chose).
+        depth.generate = functools.partial(type(depth).generate, depth, do_sample=False,
+                                           logits_processor=LogitsProcessorList([RowSampling([r.depth for r in rows])]))
         try:
-            if first.sampled:
-                with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-                    torch.manual_seed(first.seed)
-                    self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                        streamer=streamer, **depth)
-            else:
+            with torch.inference_mode():
                 self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, streamer=streamer,
-                                    **depth)
-        finally:  # what generate wrote into the depth decoder's config stays with this call
-            self.model.depth_decoder.generation_config = copy.deepcopy(self.depth_config)
-        return list(streamer.done)
-
-    def _batch(self, rows: list[Utterance]) -> list[Any]:
-        groups: dict[tuple, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(row.group, []).append(i)
-        results: list[Any] = [None] * len(rows)
-        with torch.inference_mode():
-            for members in groups.values():
-                try:
-                    for i, ended in zip(members, self.generate([rows[i] for i in members]), strict=True):
-                        results[i] = ended
-                except Exception as exc:  # this group's failure alone
-                    for i in members:
-                        results[i] = exc
-        return results
+                                    logits_processor=LogitsProcessorList([RowSampling([r.backbone for r in rows])]))
+        finally:  # nothing of this call stays on the shared model
+            del depth.generate
+            depth.generation_config = copy.deepcopy(self.depth_config)
+        return [None] * len(rows)
 
     async def close(self) -> None:
         await self.batcher.close()
