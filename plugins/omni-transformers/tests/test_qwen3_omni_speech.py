@@ -111,7 +111,7 @@ def reference(qwen3_tiny, ids_list):
     out = []
     for ids in ids_list:
         decoded = []
-        hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
+        hook = model.code2wav.register_forward_pre_hook(lambda module, args, into=decoded: into.append(args[0]))
         try:
             seq, _ = model.generate(input_ids=torch.tensor([ids]), return_audio=True, speaker=SPEAKER,
                                     thinker_eos_token_id=tok.eos_token_id, thinker_max_new_tokens=THINKER_MAX,

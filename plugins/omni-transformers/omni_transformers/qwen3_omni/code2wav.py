@@ -57,7 +57,8 @@ class Code2Wav(StreamingVocoder):
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32",
                  wav_path: str | None = None, source: str = "talker", stream: bool = True,
                  first_chunk_frames: int = 4, chunk_growth: float = 2.0, max_chunk_frames: int = 64,
-                 lookback_frames: int | None = None, max_batch_size: int = 16, max_wait: float = 0.002,
+                 lookback_frames: int | None = None, conv_context_frames: int = CONV_CONTEXT_FRAMES,
+                 max_batch_size: int = 16, max_wait: float = 0.002,
                  stage_name: str = "code2wav", relay_text: bool = True):
         super().__init__(model, device=device, dtype=dtype, sample_rate=24000, wav_path=wav_path, source=source,
                          stream=stream, max_batch_size=max_batch_size, max_wait=max_wait, stage_name=stage_name,
@@ -65,10 +66,12 @@ class Code2Wav(StreamingVocoder):
         config = self.model.config
         self.hop = int(self.model.total_upsample)
         if lookback_frames is None:
-            lookback_frames = config.num_hidden_layers * config.sliding_window + CONV_CONTEXT_FRAMES
-        if isinstance(lookback_frames, bool) or not isinstance(lookback_frames, int) or lookback_frames < 1:
-            raise ValueError(f"lookback_frames must be an int >= 1 (the frame before a chunk makes its first "
-                             f"samples), got {lookback_frames!r}")
+            lookback_frames = config.num_hidden_layers * config.sliding_window + conv_context_frames
+        for name, value in (("lookback_frames", lookback_frames), ("conv_context_frames", conv_context_frames)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (the frame before a chunk makes its first "
+                                 f"samples), got {value!r}")
+        self.conv_context = min(conv_context_frames, lookback_frames)
         self.schedule = ChunkSchedule(first_chunk_frames, chunk_growth, max_chunk_frames, 0, lookback_frames,
                                       names=("first_chunk_frames", "chunk_growth", "max_chunk_frames",
                                              "lookahead", "lookback_frames"))
@@ -95,14 +98,24 @@ class Code2Wav(StreamingVocoder):
             return self.decode(frames)
 
     def run_windows(self, windows: list[_Window]) -> list[torch.Tensor]:
-        """The waveform of each window; windows of one length run as one batch."""
-        groups: dict[int, list[int]] = {}
+        """The waveform of each window from its conv start on (``Qwen3OmniMoeCode2Wav.forward`` in two: the
+        transformer over the whole window, the convolutions over its last frames only); windows of one shape
+        run as one batch."""
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, w in enumerate(windows):
-            groups.setdefault(len(w.frames), []).append(i)
+            groups.setdefault((len(w.frames), w.conv_start - w.window_start), []).append(i)
         outs: list = [None] * len(windows)
-        for members in groups.values():
+        model = self.model
+        for (_, skip), members in groups.items():
             codes = torch.tensor([windows[i].frames for i in members], dtype=torch.long, device=self.device)
-            wav = self.model(codes.transpose(1, 2)).float().cpu()
+            hidden = model.code_embedding(codes.transpose(1, 2) + model.code_offset).mean(1)
+            hidden = model.pre_transformer(inputs_embeds=hidden).last_hidden_state[:, skip:].permute(0, 2, 1)
+            for blocks in model.upsample:
+                for block in blocks:
+                    hidden = block(hidden)
+            for block in model.decoder:
+                hidden = block(hidden)
+            wav = hidden.clamp(min=-1, max=1).float().cpu()
             for row, i in enumerate(members):
                 outs[i] = wav[row].reshape(-1)
         return outs
@@ -115,6 +128,7 @@ class _Window:
     synthesis: CodeSynthesis
     frames: list
     window_start: int
+    conv_start: int
     start: int
     end: int
     last: bool
@@ -139,11 +153,12 @@ class CodeSynthesis:
             self.finished = final
             return None
         window_start = max(0, start - self.stage.schedule.lookback)
-        return _Window(self, frames[window_start:end], window_start, start, end, final and end == n)
+        conv_start = max(window_start, start - self.stage.conv_context)
+        return _Window(self, frames[window_start:end], window_start, conv_start, start, end, final and end == n)
 
     def finish(self, window: _Window, wav: torch.Tensor) -> torch.Tensor:
         hop, back = self.stage.hop, self.stage.held_back
-        first = max(0, window.start * hop - back) - window.window_start * hop
+        first = max(0, window.start * hop - back) - window.conv_start * hop
         audio = wav[first:]
         self.done = window.end
         self.size = self.stage.schedule.next(self.size)
