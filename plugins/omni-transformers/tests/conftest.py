@@ -64,3 +64,14 @@ def reference(tiny_model):
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def fake_checkpoint(tmp_path_factory):
+    """A checkpoint folder for a fake family (a ``config.json`` of model type ``fake`` and nothing
+    else): what the kit's ``resolve_model_path`` asks of a folder; the fake builds its own model."""
+    import json
+
+    path = tmp_path_factory.mktemp("fake_family")
+    (path / "config.json").write_text(json.dumps({"model_type": "fake"}))
+    return path

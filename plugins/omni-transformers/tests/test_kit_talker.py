@@ -10,7 +10,6 @@ naming the option."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -93,13 +92,6 @@ class FakeCtx:
         self.emitted.append(chunk)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fake_talker")
-    (path / "config.json").write_text(json.dumps({"model_type": "fake"}))
-    return path
-
-
 def talk(talker, requests: list[tuple[dict, list[dict]]]) -> list[tuple[dict, list[dict]]]:
     """Run the requests at once through ``talker``: (result, emitted chunks) each."""
     async def go():
@@ -130,8 +122,8 @@ def greedy_reference(model, wire: list[dict], max_new: int) -> list[int]:
     return codes
 
 
-def test_a_fake_familys_codes_equal_a_plain_greedy_loop_over_its_model(folder):
-    talker = FakeTalker(str(folder), do_sample=False, repetition_penalty=1.0, max_new_tokens=20)
+def test_a_fake_familys_codes_equal_a_plain_greedy_loop_over_its_model(fake_checkpoint):
+    talker = FakeTalker(str(fake_checkpoint), do_sample=False, repetition_penalty=1.0, max_new_tokens=20)
     wire = thinker_stream(1, 6, 8)
     [(result, emitted)] = talk(talker, [({"seed": 0}, wire)])
     assert result["codes"] == greedy_reference(fake_lm(), wire, 20)
@@ -143,11 +135,11 @@ def test_a_fake_familys_codes_equal_a_plain_greedy_loop_over_its_model(folder):
     assert [c["text"] for c in emitted if "text" in c][:2] == ["a", "b"]
 
 
-def test_rows_stepping_together_equal_each_request_alone_greedy_and_seeded(folder):
+def test_rows_stepping_together_equal_each_request_alone_greedy_and_seeded(fake_checkpoint):
     requests = [({"seed": n, "talker_do_sample": n % 3 != 0, "talker_max_new_tokens": 10 + n},
                  thinker_stream(n, 4 + n % 3, 5 + n)) for n in range(6)]
-    alone = [talk(FakeTalker(str(folder), codes_per_chunk=4), [r])[0] for r in requests]
-    together = talk(FakeTalker(str(folder), codes_per_chunk=4), requests)
+    alone = [talk(FakeTalker(str(fake_checkpoint), codes_per_chunk=4), [r])[0] for r in requests]
+    together = talk(FakeTalker(str(fake_checkpoint), codes_per_chunk=4), requests)
     for n, ((one, _), (many, emitted)) in enumerate(zip(alone, together, strict=True)):
         assert many["codes"] == one["codes"], n
         assert 0 < len(many["codes"]) <= 10 + n and NEVER not in many["codes"]
@@ -180,13 +172,13 @@ def test_the_batched_sampler_equals_each_rows_own_sampler():
     ("first_codes_per_chunk", 1.5, "first_codes_per_chunk must be a positive int"),
     ("yield_to_first_audio", -1, "yield_to_first_audio must be seconds"),
 ])
-def test_bad_chunking_options_are_refused_naming_the_option(folder, option, value, words):
+def test_bad_chunking_options_are_refused_naming_the_option(fake_checkpoint, option, value, words):
     with pytest.raises(ValueError, match=words):
-        FakeTalker(str(folder), **{option: value})
+        FakeTalker(str(fake_checkpoint), **{option: value})
 
 
-def test_first_codes_per_chunk_equal_to_codes_per_chunk_gives_equal_chunks(folder):
-    talker = FakeTalker(str(folder), codes_per_chunk=4, first_codes_per_chunk=4)
+def test_first_codes_per_chunk_equal_to_codes_per_chunk_gives_equal_chunks(fake_checkpoint):
+    talker = FakeTalker(str(fake_checkpoint), codes_per_chunk=4, first_codes_per_chunk=4)
     assert [e for e, _ in zip(talker.chunk_ends(), range(4), strict=False)] == [4, 8, 12, 16]
-    ramp = FakeTalker(str(folder), codes_per_chunk=16)
+    ramp = FakeTalker(str(fake_checkpoint), codes_per_chunk=16)
     assert [e for e, _ in zip(ramp.chunk_ends(), range(7), strict=False)] == [1, 2, 4, 8, 16, 32, 48]

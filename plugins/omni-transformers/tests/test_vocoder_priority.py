@@ -11,7 +11,6 @@ each alone."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import attrs
 import pytest
@@ -288,13 +287,6 @@ class CodesCtx:
         self.emitted.append(chunk)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fake_vocoder")
-    (path / "config.json").write_text(json.dumps({"model_type": "fake"}))
-    return path
-
-
 def scheduled_sizes(schedule: ChunkSchedule, total: int) -> list[int]:
     """The chunks of ``total`` frames: scheduled ones while their look-ahead is there, then the rest."""
     sizes, done, size = [], 0, schedule.first
@@ -305,14 +297,14 @@ def scheduled_sizes(schedule: ChunkSchedule, total: int) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_a_fake_familys_streamed_chunks_make_up_its_unchunked_synthesis_alone_and_together(folder, mode):
+def test_a_fake_familys_streamed_chunks_make_up_its_unchunked_synthesis_alone_and_together(fake_checkpoint, mode):
     presets = {"exact": {"first": 4, "growth": 2.0, "largest": 16, "lookahead": 4, "lookback": 4},
                "fast": {"first": 1, "growth": 2.0, "largest": 16, "lookahead": REACH, "lookback": REACH}}
     requests = [torch.randint(0, 9, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                 for n in (1, 5, 23, 40, 41)]
 
     def vocoder():
-        return FakeVocoder(str(folder), schedule=ChunkSchedule.for_mode(mode, 4, presets), mode=mode,
+        return FakeVocoder(str(fake_checkpoint), schedule=ChunkSchedule.for_mode(mode, 4, presets), mode=mode,
                            max_batch_size=8, stage_name="fake")
 
     async def run(stage, batch):
@@ -334,6 +326,6 @@ def test_a_fake_familys_streamed_chunks_make_up_its_unchunked_synthesis_alone_an
     assert max(together_stage.runs) > 1  # some windows ran together
 
 
-def test_a_vocoder_refuses_an_unknown_mode_naming_the_modes(folder):
+def test_a_vocoder_refuses_an_unknown_mode_naming_the_modes(fake_checkpoint):
     with pytest.raises(ValueError, match="mode must be one of exact, fast, got 'quick'"):
-        FakeVocoder(str(folder), schedule=None, mode="quick")
+        FakeVocoder(str(fake_checkpoint), schedule=None, mode="quick")
