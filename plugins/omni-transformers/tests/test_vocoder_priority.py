@@ -18,7 +18,12 @@ import torch
 from omni_core.kits import BatcherClosed
 
 from omni_transformers.kit.chunks import CodesChunk
-from omni_transformers.kit.vocoder import ChunkBatcher, ChunkSchedule, FirstChunkGate, StreamingVocoder
+from omni_transformers.kit.vocoder import (
+    ChunkBatcher,
+    ChunkSchedule,
+    FirstChunkGate,
+    StreamingVocoder,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
