@@ -180,9 +180,9 @@ class FirstChunkGate:
     """Process-wide: while a vocoder makes a request's first chunk, the other model threads of the
     process that ask (a talker's decode loop, between two steps) hold back, each wait at most its
     own bound. On CPU the stages of one process share one interpreter lock, so a talker stepping
-    beside the vocoder makes the first chunk wait for its steps (measured: a first chunk's DiT
-    run took 2-5 times as long beside a talker generating); the talker is far ahead of the
-    vocoder, so holding it back costs the request nothing."""
+    beside the vocoder makes the first chunk wait for its steps (measured: a first chunk's model
+    run took 2-5 times as long beside a talker generating); where the talker is ahead of the
+    vocoder, as there, holding it back costs the request little."""
 
     def __init__(self):
         self._lock = threading.Lock()
