@@ -147,26 +147,43 @@ def test_frames_equal_generate_alone_and_16_at_once_equal_alone(qwen3_tiny, stag
             assert (voiced["audio"] - voiced_alone["audio"]).abs().max().item() < 1e-5
 
 
-def test_streamed_code2wav_equals_code2wav_over_all_frames(stages):
-    from omni_transformers.qwen3_omni.code2wav import STREAM_MAX_ABS_ERROR
-
-    _, (_, _, code2wav) = stages
-    frames = torch.randint(0, 2048, (300, 16), generator=torch.Generator().manual_seed(0)).tolist()
-    whole = code2wav.decode(frames)
-    assert whole.numel() == 300 * 1920 - 555 and whole.abs().max() > 0.01
+def streamed(code2wav, frames: list) -> list[torch.Tensor]:
+    """The chunks of ``frames`` arriving one by one, each chunk made as soon as the schedule allows."""
     synthesis = code2wav.new_synthesis(None, None)
     chunks, n = [], 0
-    while True:  # the frames arrive one by one; a chunk is made as soon as the schedule allows
+    while True:
         while n < len(frames) and not synthesis.ready(n, False):
             n += 1
         final = n == len(frames)
         if not synthesis.ready(n, final):
-            break
+            return chunks
         chunks.append(synthesis.next_chunk(frames[:n], final))
-    assert len(chunks) >= 6 and chunks[0].numel() == 4 * 1920 - 555  # the first chunk: 4 frames, less their tail
-    joined = torch.cat(chunks)
-    assert joined.shape == whole.shape
-    assert (joined - whole).abs().max().item() < STREAM_MAX_ABS_ERROR
+
+
+def test_streamed_code2wav_equals_code2wav_over_all_frames_in_both_modes(qwen3_tiny, stages):
+    from omni_transformers.qwen3_omni.code2wav import (
+        FAST_MAX_ABS_ERROR,
+        STREAM_MAX_ABS_ERROR,
+        Code2Wav,
+    )
+
+    _, (_, _, exact) = stages
+    frames = torch.randint(0, 2048, (300, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    whole = exact.decode(frames)
+    assert whole.numel() == 300 * 1920 - 555 and whole.abs().max() > 0.01
+    fast = Code2Wav(str(qwen3_tiny), mode="fast")
+    try:
+        for code2wav, first, bound in ((exact, 4, STREAM_MAX_ABS_ERROR), (fast, 1, FAST_MAX_ABS_ERROR)):
+            chunks = streamed(code2wav, frames)
+            # the first chunk: its frames less the 555 samples its last frame holds back
+            assert len(chunks) >= 6 and chunks[0].numel() == first * 1920 - 555
+            joined = torch.cat(chunks)
+            assert joined.shape == whole.shape
+            assert (joined - whole).abs().max().item() < bound
+        with pytest.raises(ValueError, match="lookback_frames must be an int >= 1"):
+            Code2Wav(str(qwen3_tiny), lookback_frames=0)
+    finally:
+        asyncio.run(fast.close())
 
 
 def test_a_reply_with_nothing_to_say_and_a_first_end_code_give_text_and_no_audio(qwen3_tiny, stages):

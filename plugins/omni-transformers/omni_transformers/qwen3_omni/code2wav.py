@@ -8,10 +8,11 @@ frames gives n * 1920 - 555 samples, the last 555 of frame n-1 waiting for frame
 it makes again the 555 samples the chunk before could not finish, and the joined chunks have exactly the
 length of the whole decode (transformers' own ``chunked_decode`` drops those samples at every join).
 
-Exact mode (``lookback_frames`` left at its default): the window's left context covers the transformer's
-reach (``num_hidden_layers`` x ``sliding_window`` frames) and the convolutions' few frames, so every chunk
-equals the whole decode within ``STREAM_MAX_ABS_ERROR`` (float32). A smaller ``lookback_frames`` is
-faster and approximate (transformers' ``chunked_decode`` uses 25).
+``mode: exact`` (the default): the window's left context covers the transformer's reach (``num_hidden_layers``
+x ``sliding_window`` frames) and the convolutions' few frames, so every chunk equals the whole decode within
+``STREAM_MAX_ABS_ERROR`` (float32). ``mode: fast`` makes its first chunk after one frame, with 25 frames of
+left context (transformers' ``chunked_decode``'s): faster, approximate within ``FAST_MAX_ABS_ERROR`` on the
+tiny checkpoint (whose attention barely couples frames; the real model's error is larger, not measured here).
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ from .thinker import omni_config
 #: The bound between the joined streamed chunks (exact mode) and code2wav over all the frames at once:
 #: the largest absolute difference of a sample (measured ~1e-6 on the tiny checkpoint; docs/models.md).
 STREAM_MAX_ABS_ERROR = 1e-4
+#: fast mode's bound on the tiny checkpoint (measured ~4e-6 there).
+FAST_MAX_ABS_ERROR = 1e-3
 #: Frames of left context beyond the transformer's reach, for the causal convolutions (a few frames each).
 CONV_CONTEXT_FRAMES = 8
+#: Each mode's chunk schedule in frames (``first_chunk_frames``, ``chunk_growth``, ``max_chunk_frames``,
+#: ``lookback_frames``; each overridable). exact: left context over the transformer's whole reach (None:
+#: ``num_hidden_layers`` x ``sliding_window`` + ``conv_context_frames``), so every chunk equals the whole
+#: decode; fast: the first chunk after one frame and transformers' ``chunked_decode`` left context (25).
+SCHEDULES = {
+    "exact": {"first": 4, "growth": 2.0, "largest": 64, "lookahead": 0, "lookback": None},
+    "fast": {"first": 1, "growth": 2.0, "largest": 64, "lookahead": 0, "lookback": 25},
+}
 
 
 def load_code2wav(path, *, dtype: str | None = "float32", device: str = "cpu"):
@@ -48,31 +59,38 @@ class Code2Wav(StreamingVocoder):
     """Frames of 16 codes → waveform, streamed: ``{"audio", "sample_rate"}`` chunks as the talker's frames
     arrive (``stream: false``: one chunk once they are all in, equal to ``code2wav`` of all the frames).
 
-    Chunk schedule: the first chunk holds ``first_chunk_frames`` frames, each next one ``chunk_growth``
-    times more, up to ``max_chunk_frames``; when the talker ends, the rest comes as one chunk. Each chunk
-    is computed with ``lookback_frames`` frames of left context (default: exact, see the module)."""
+    Chunk schedule (``mode``'s preset in :data:`SCHEDULES`, each value overridable): the first chunk holds
+    ``first_chunk_frames`` frames, each next one ``chunk_growth`` times more, up to ``max_chunk_frames``;
+    when the talker ends, the rest comes as one chunk. Each chunk is computed with ``lookback_frames`` frames
+    of left context (``exact``: the transformer's whole reach, see the module; ``fast``: 25)."""
 
     codebooks = 16
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32",
                  wav_path: str | None = None, source: str = "talker", stream: bool = True,
-                 first_chunk_frames: int = 4, chunk_growth: float = 2.0, max_chunk_frames: int = 64,
-                 lookback_frames: int | None = None, conv_context_frames: int = CONV_CONTEXT_FRAMES,
-                 max_batch_size: int = 16, max_wait: float = 0.002,
-                 stage_name: str = "code2wav", relay_text: bool = True):
+                 mode: str = "exact", first_chunk_frames: int | None = None, chunk_growth: float | None = None,
+                 max_chunk_frames: int | None = None, lookback_frames: int | None = None,
+                 conv_context_frames: int = CONV_CONTEXT_FRAMES, max_batch_size: int = 16, max_wait: float = 0.002,
+                 stage_name: str = "code2wav", relay_text: bool = True, first_chunk_priority: bool = True,
+                 max_passed_over: int = 4):
         super().__init__(model, device=device, dtype=dtype, sample_rate=24000, wav_path=wav_path, source=source,
                          stream=stream, max_batch_size=max_batch_size, max_wait=max_wait, stage_name=stage_name,
-                         relay_text=relay_text)
+                         relay_text=relay_text, mode=mode, first_chunk_priority=first_chunk_priority,
+                         max_passed_over=max_passed_over)
         config = self.model.config
         self.hop = int(self.model.total_upsample)
-        if lookback_frames is None:
-            lookback_frames = config.num_hidden_layers * config.sliding_window + conv_context_frames
-        for name, value in (("lookback_frames", lookback_frames), ("conv_context_frames", conv_context_frames)):
+        preset = dict(SCHEDULES[mode])
+        if preset["lookback"] is None:
+            preset["lookback"] = config.num_hidden_layers * config.sliding_window + conv_context_frames
+        given = {"first": first_chunk_frames, "growth": chunk_growth, "largest": max_chunk_frames,
+                 "lookback": lookback_frames}
+        values = {**preset, **{k: v for k, v in given.items() if v is not None}}
+        for name, value in (("lookback_frames", values["lookback"]), ("conv_context_frames", conv_context_frames)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (the frame before a chunk makes its first "
                                  f"samples), got {value!r}")
-        self.conv_context = min(conv_context_frames, lookback_frames)
-        self.schedule = ChunkSchedule(first_chunk_frames, chunk_growth, max_chunk_frames, 0, lookback_frames,
+        self.conv_context = min(conv_context_frames, values["lookback"])
+        self.schedule = ChunkSchedule(values["first"], values["growth"], values["largest"], 0, values["lookback"],
                                       names=("first_chunk_frames", "chunk_growth", "max_chunk_frames",
                                              "lookahead", "lookback_frames"))
         # What a forward over n frames holds back of its last frame: measured on one frame.
@@ -97,13 +115,17 @@ class Code2Wav(StreamingVocoder):
         with torch.inference_mode():
             return self.decode(frames)
 
+    def batch_key(self, window: _Window) -> tuple[int, int]:
+        """Windows of one shape (frames, conv context) run as one batch."""
+        return len(window.frames), window.conv_start - window.window_start
+
     def run_windows(self, windows: list[_Window]) -> list[torch.Tensor]:
         """The waveform of each window from its conv start on (``Qwen3OmniMoeCode2Wav.forward`` in two: the
         transformer over the whole window, the convolutions over its last frames only); windows of one shape
         run as one batch."""
         groups: dict[tuple[int, int], list[int]] = {}
         for i, w in enumerate(windows):
-            groups.setdefault((len(w.frames), w.conv_start - w.window_start), []).append(i)
+            groups.setdefault(self.batch_key(w), []).append(i)
         outs: list = [None] * len(windows)
         model = self.model
         for (_, skip), members in groups.items():
