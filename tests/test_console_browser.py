@@ -241,7 +241,7 @@ def test_no_console_error_and_no_request_left_127_0_0_1(browser_page):
 SPEAKER = {
     "name": "speaker",
     "stages": [{"name": "tts", "factory": "console_stages:Tone", "terminal": True}],
-    "serve": {"apis": ["openai"], "options": {"openai": {"kind": "tts", "audio_stage": "tts"}}},
+    "serve": {"apis": ["openai"], "options": {"openai": {"kind": "tts", "audio_stage": "tts", "voices": ["alloy"]}}},
 }
 LISTENER = {
     "name": "listener",
@@ -297,6 +297,11 @@ def test_tts_and_asr_pipelines_get_speech_and_transcribe_tabs_and_no_chat(browse
             seconds = page.evaluate("() => document.querySelector('[data-testid=speech-audio]').duration")
             assert abs(seconds - 0.3) < 0.01  # three words, a 0.1 s tone each
             assert text(page, "speech-status").endswith("bytes of WAV")
+            page.get_by_test_id("speech-voice").fill("nobody")  # the API's 400, shown in its words
+            page.get_by_test_id("speech-send").click()
+            page.wait_for_function("() => document.querySelector('[data-testid=speech-status]').classList"
+                                   ".contains('state-error')")
+            assert "the voice 'nobody' is not one of this model's: alloy" in text(page, "speech-status")
 
             page.goto(srv.url + "/?pipeline=listener")
             page.get_by_test_id("stage-row-asr").wait_for()

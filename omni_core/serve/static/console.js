@@ -509,63 +509,52 @@ async function sendChat() {
 
 // -- the speech and transcribe tabs (an API registered with speech= / transcription=) ----------------------
 
-async function sendSpeech() {
-  const text = $("speech-input").value.trim();
-  const status = $("speech-status");
-  if (!text || !topology || !topology.speech) return;
-  $("speech-send").disabled = true;
-  status.textContent = "speaking…";
+// One request of a form tab: the button off while it runs, the status saying what it does, then the
+// answer (onOk) or the error, in the API's words.
+async function formRequest(button, status, busy, path, init, onOk) {
+  button.disabled = true;
+  status.textContent = busy;
   status.classList.remove("state-error");
   try {
-    const response = await fetch(topology.speech, {
-      method: "POST", headers: { "content-type": "application/json" },
-      body: JSON.stringify({ model: topology.pipeline, input: text, voice: $("speech-voice").value.trim(),
-                             response_format: "wav" }),
-    });
-    if (!response.ok) {
-      status.textContent = await errorText(response);
-      status.classList.add("state-error");
-      return;
-    }
-    const wav = await response.blob();
-    const player = $("speech-audio");
-    if (player.src) URL.revokeObjectURL(player.src);
-    player.src = URL.createObjectURL(wav);
-    player.hidden = false;
-    status.textContent = `${wav.size} bytes of WAV`;
+    const response = await fetch(path, init);
+    if (!response.ok) throw new Error(await errorText(response));
+    status.textContent = await onOk(response);
   } catch (err) {
-    status.textContent = `the request failed: ${err.message}`;
+    status.textContent = err.message;
     status.classList.add("state-error");
   } finally {
-    $("speech-send").disabled = false;
+    button.disabled = false;
   }
+}
+
+async function sendSpeech() {
+  const text = $("speech-input").value.trim();
+  if (!text || !topology || !topology.speech) return;
+  const body = { model: topology.pipeline, input: text, voice: $("speech-voice").value.trim(), response_format: "wav" };
+  await formRequest($("speech-send"), $("speech-status"), "speaking…", topology.speech,
+    { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) },
+    async (response) => {
+      const wav = await response.blob();
+      const player = $("speech-audio");
+      if (player.src) URL.revokeObjectURL(player.src);
+      player.src = URL.createObjectURL(wav);
+      player.hidden = false;
+      return `${wav.size} bytes of WAV`;
+    });
 }
 
 async function sendTranscription() {
   const file = $("transcribe-file").files[0];
-  const status = $("transcribe-status");
   if (!file || !topology || !topology.transcription) return;
-  $("transcribe-send").disabled = true;
-  status.textContent = "transcribing…";
-  status.classList.remove("state-error");
-  try {
-    const form = new FormData();
-    form.append("file", file, file.name);
-    form.append("model", topology.pipeline);
-    const response = await fetch(topology.transcription, { method: "POST", body: form });
-    if (!response.ok) {
-      status.textContent = await errorText(response);
-      status.classList.add("state-error");
-      return;
-    }
-    $("transcribe-text").textContent = (await response.json()).text;
-    status.textContent = file.name;
-  } catch (err) {
-    status.textContent = `the request failed: ${err.message}`;
-    status.classList.add("state-error");
-  } finally {
-    $("transcribe-send").disabled = false;
-  }
+  const form = new FormData();
+  form.append("file", file, file.name);
+  form.append("model", topology.pipeline);
+  await formRequest($("transcribe-send"), $("transcribe-status"), "transcribing…", topology.transcription,
+    { method: "POST", body: form },
+    async (response) => {
+      $("transcribe-text").textContent = (await response.json()).text;
+      return file.name;
+    });
 }
 
 function showTab(name) {
