@@ -350,8 +350,9 @@ class Resampler:
     """PCM16 chunks at the pipeline's rate in, PCM16 at ``rate`` out, as a stream: soxr's
     ``ResampleStream`` keeps its filter state from chunk to chunk, so the pieces joined are the
     whole resampled at once (within a least significant bit or two), with no click at chunk edges.
-    At the target rate already, chunks pass through untouched. :meth:`flush` gives the samples the
-    filter still holds, once the last chunk is in."""
+    At the target rate already, chunks pass through untouched. The output comes in the resampler's
+    blocks (about 30 ms of audio at 24 kHz), so it trails the input by up to a block; :meth:`flush`
+    gives what the filter still holds, once the last chunk is in."""
 
     def __init__(self, rate: int = PCM_RATE):
         self.rate = rate
