@@ -109,6 +109,7 @@ def _values(name: str, kind: str) -> dict[str, str]:
         "kind_flag": "" if kind == "stage" else f" --kind {kind}",
         "hook": _HOOKS[kind],
         "tox_deps": f"\n    {_TOX_DEPS[kind]}" if kind in _TOX_DEPS else "",
+        "installed_first": "omni-core and omni-transformers are" if kind == "family" else "omni-core is",
         "omni_min": __version__,
         "description": f"omni plugin {name!r}: {KINDS[kind]}.",
         "run_example": run,
