@@ -25,7 +25,8 @@ def test_the_plugin_registers_its_stages_wiring_functions_and_two_pipelines():
         "transformers.qwen3_omni.code2wav", "transformers.whisper.asr",
         "transformers.csm.processor", "transformers.csm.talker", "transformers.csm.vocoder"]
     assert info.registered["pipeline"] == ["qwen2_5_omni", "qwen2_5_omni.split", "qwen2_5_omni.gpu",
-                                           "qwen2_5_omni.split.gpu", "qwen3_omni", "whisper", "csm"]
+                                           "qwen2_5_omni.split.gpu", "qwen3_omni", "qwen3_omni.split",
+                                           "qwen3_omni.gpu", "qwen3_omni.split.gpu", "whisper", "csm"]
     assert info.registered["route"] == [f"transformers.qwen2_5_omni.{f}"
                                         for f in ("no_payload", "route_encoded", "route_inputs")] + [
                                             "transformers.qwen3_omni.route_inputs"]
