@@ -1,6 +1,7 @@
 """``stream_to: [caller]`` from a tensor-parallel stage: every rank emits, only the leader's
-(rank 0's) chunks reach the caller, each once and in order, with the credits of any stream; a
-caller that reads nothing or leaves mid-stream holds nothing up, and nothing is left behind."""
+(rank 0's) chunks reach the caller (and a next stage it streams to as well), each once and in
+order, with the credits of any stream; a caller that reads nothing or leaves mid-stream holds
+nothing up, and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def idle(state: dict) -> bool:
     """Nothing held anywhere: the coordinator's request table and every process's counters
     (requests running, streams, fan-in parts, finished-but-unforgotten requests, ordering
     windows: the follower's included) are all 0."""
-    assert {"coordinator", "tp.0", "tp.1", "sink"} <= set(state)
+    assert {"coordinator", "tp.0", "tp.1"} <= set(state)
     return all(value == 0 for report in state.values() for value in report.values()
                if isinstance(value, (int, float)) and not isinstance(value, bool))
 
@@ -86,3 +87,21 @@ def test_a_caller_leaving_a_tp_stages_stream_ends_that_request_alone():
     for r, (events, result) in enumerate(after):
         check_chunks(events, 12)
         assert result == {"n": 12, "rank": 0, "ranks": TP, "r": r}
+
+
+def test_a_tp_stage_streaming_to_the_caller_and_to_a_next_stage_sends_each_its_leaders_chunks_once():
+    cfg = pipeline(
+        stage("tp", "TPChunks", tp_size=TP, stream_to=["collect", "caller"], next=["collect"]),
+        stage("collect", "CollectTensors", args={"source": "tp"}, terminal=True, can_accept_stream_before_payload=True),
+        limits={"stream_buffer": 2},
+    )
+
+    async def body():
+        async with Pipeline(cfg) as p:
+            runs = await asyncio.gather(*(read(p, {"n": 15 + r}) for r in range(6)))
+            await until_state(p, idle, "every process idle after the requests")
+            return runs
+
+    for r, (events, result) in enumerate(arun(body(), timeout=200)):
+        check_chunks(events, 15 + r)
+        assert result == {"got": list(range(15 + r)), "bad": []}  # the next stage got each chunk once, in order
