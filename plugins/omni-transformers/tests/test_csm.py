@@ -14,10 +14,9 @@ import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 import torch
-from omni_core.testing.serve import ServerProcess
+from speech_serving import sdk, serving
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,15 +62,13 @@ def reference(csm_tiny, model):
 
 @pytest.fixture(scope="module")
 def server(csm_tiny, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("serve-csm")
-    srv = ServerProcess(str(csm_tiny), cwd=str(cwd), ready_timeout=300)
-    with srv.serving(stop_timeout=120):
+    with serving(str(csm_tiny), cwd=tmp_path_factory.mktemp("serve-csm")) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as c:
+    with sdk(server) as c:
         yield c
 
 

@@ -12,11 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import soundfile
 import torch
-from omni_core.testing.serve import ServerProcess
+from speech_serving import sdk, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,15 +65,13 @@ def clip(seconds: float, seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def server(whisper_tiny, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("serve-whisper")
-    srv = ServerProcess(str(whisper_tiny), cwd=str(cwd), ready_timeout=300)
-    with srv.serving(stop_timeout=120):
+    with serving(str(whisper_tiny), cwd=tmp_path_factory.mktemp("serve-whisper")) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as c:
+    with sdk(server) as c:
         yield c
 
 

@@ -14,7 +14,7 @@ import wave
 import numpy as np
 import openai
 import pytest
-from omni_core.testing.serve import ServerProcess
+from speech_serving import sdk, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,8 +26,7 @@ def server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("speech-multi")
     whisper, csm = write_whisper(tmp / "whisper"), write_csm(tmp / "csm")
-    srv = ServerProcess("demo", str(whisper), str(csm), "--api", "realtime", cwd=str(tmp), ready_timeout=300)
-    with srv.serving(stop_timeout=120):
+    with serving("demo", str(whisper), str(csm), args=("--api", "realtime"), cwd=tmp) as srv:
         yield srv
 
 
@@ -66,20 +65,20 @@ async def events_until(conn, kind: str, timeout: float = 120.0) -> list:
 
 
 def test_one_server_answers_each_model_on_its_own_route(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
-        assert [m.id for m in sdk.models.list().data] == ["demo", "whisper", "csm"]
-        text = sdk.audio.transcriptions.create(model="whisper", file=("a.wav", as_wav(pcm24k(1.0, 1)))).text
+    with sdk(server) as client:
+        assert [m.id for m in client.models.list().data] == ["demo", "whisper", "csm"]
+        text = client.audio.transcriptions.create(model="whisper", file=("a.wav", as_wav(pcm24k(1.0, 1)))).text
         assert text
-        speech = sdk.audio.speech.create(model="csm", voice="1", input="hello", response_format="pcm")
+        speech = client.audio.speech.create(model="csm", voice="1", input="hello", response_format="pcm")
         assert len(speech.content) % (1920 * 2) == 0 and speech.content
         with pytest.raises(openai.BadRequestError, match="does not serve"):
-            sdk.audio.speech.create(model="whisper", voice="0", input="hello")
+            client.audio.speech.create(model="whisper", voice="0", input="hello")
 
 
 def test_each_committed_turn_is_transcribed_by_the_whisper_pipeline(server):
     turns = [pcm24k(1.5, 2), pcm24k(0.8, 3)]
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
-        answers = [sdk.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t), "audio/wav"))
+    with sdk(server) as client:
+        answers = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t), "audio/wav"))
                    for t in turns]
     expected = [a.text for a in answers]
     assert all(expected) and expected[0] != expected[1]
@@ -100,8 +99,8 @@ def test_each_committed_turn_is_transcribed_by_the_whisper_pipeline(server):
             return seen
 
     seen = asyncio.run(asyncio.wait_for(main(), 300))
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
-        in_english = [sdk.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t)), language="en").text
+    with sdk(server) as client:
+        in_english = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t)), language="en").text
                       for t in turns]
     for events, want in zip(seen, in_english, strict=True):
         assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
