@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import Any
 
 import attrs
-from structlog.contextvars import bind_contextvars
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from .. import metrics, tracing
 from .._compat import EAGER_START, enter_task, leave_task
@@ -41,6 +41,17 @@ from .types import Inbound, StageFunctions, WiringError, chosen_names
 __all__ = ["Inbound", "StageFunctions", "StagePort", "StageRuntime", "WiringError"]
 
 log = get_logger()
+
+
+def _request_id_var() -> Any:
+    """structlog's context variable of ``request_id`` (what ``bind_contextvars(request_id=...)``
+    sets and every log line reads): setting it directly costs half as much, once per call."""
+    tokens = bind_contextvars(request_id=None)
+    reset_contextvars(**tokens)
+    return tokens["request_id"].var
+
+
+_REQUEST_ID = _request_id_var()
 
 
 class StageCancelled(Exception):
@@ -379,7 +390,7 @@ class StageRuntime:
 
     async def _run(self, rid: int, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
         request_id = ctx.request_id
-        bind_contextvars(request_id=request_id)  # this call's log lines
+        _REQUEST_ID.set(request_id)  # this call's log lines (bind_contextvars, at half the cost)
         started = None
         slots = self.slots
         meter = self.meter
