@@ -10,6 +10,8 @@
   convolution state across calls, so each chunk is decoded again with ``lookback_frames`` frames of left context
   and only its own frames' samples kept.
 
+The stages of one process share one loaded checkpoint (:class:`CsmModel`).
+
 Per-request settings never leak: transformers' CSM ``generate`` writes its ``depth_decoder_*`` arguments into the
 depth decoder's shared generation config (after one sampled request, later greedy ones sample). The talker passes
 none: the settings live in each row's samplers, and the depth decoder's config is put back after every call.
@@ -29,6 +31,7 @@ from omni_core.kits import MicroBatcher
 from transformers import LogitsProcessor
 
 from ..kit.chunks import CodesChunk
+from ..kit.engines import EngineRegistry
 from ..kit.sampling import Sampler, make_generator, resolve_model_path, torch_dtype
 from ..kit.streams import request_seed
 from ..kit.vocoder import ChunkSchedule, StreamingVocoder
@@ -161,6 +164,28 @@ class FrameStreamer:
                 self._end(i, False)
 
 
+class CsmModel:
+    """One loaded CSM checkpoint (backbone, depth decoder, Mimi), shared by the CSM stages of a process through the
+    kit's :class:`~omni_transformers.kit.engines.EngineRegistry`: the talker runs the backbone and depth decoder, the
+    vocoder Mimi, and the checkpoint is read once."""
+
+    def __init__(self, path, dtype: str, device: str):
+        from transformers import CsmForConditionalGeneration
+
+        want = torch_dtype(dtype)
+        self.model = CsmForConditionalGeneration.from_pretrained(
+            path, local_files_only=True, dtype=want if want is not None else torch.float32).to(device).eval()
+
+    @staticmethod
+    def acquire(path, dtype: str, device: str) -> tuple[tuple, CsmModel]:
+        """``(key, shared model)``; give the key back to ``EngineRegistry.process().release`` when done."""
+        key = (CsmModel, str(path.resolve()), dtype, str(torch.device(device)))
+        return key, EngineRegistry.process().acquire(key, lambda: CsmModel(path, dtype, device))
+
+    async def close(self) -> None:
+        """Nothing to stop: the last holder's release drops the model."""
+
+
 class Talker:
     """CSM's backbone and depth decoder: the prompt → frames of codes, streamed to ``vocoder`` in
     ``CodesChunk`` chunks of ``codes_per_chunk`` frames; returns ``{"codes", "prompt_tokens",
@@ -176,14 +201,10 @@ class Talker:
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  max_batch_size: int = 8, max_wait: float = 0.01, max_new_tokens: int | None = None,
                  codes_per_chunk: int = 1):
-        from transformers import CsmForConditionalGeneration
-
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
-        want = torch_dtype(dtype)
-        self.model = CsmForConditionalGeneration.from_pretrained(
-            self.path, local_files_only=True, dtype=want if want is not None else "auto").to(self.device).eval()
-        self.model.codec_model = None  # the vocoder stage decodes; this one never does
+        self.model_key, shared = CsmModel.acquire(self.path, dtype, device)
+        self.model = shared.model
         self.generation_config = copy.deepcopy(self.model.generation_config)
         self.depth_config = copy.deepcopy(self.model.depth_decoder.generation_config)
         self.codebooks = self.model.config.num_codebooks
@@ -266,20 +287,10 @@ class Talker:
 
     async def close(self) -> None:
         await self.batcher.close()
+        await EngineRegistry.process().release(self.model_key)
 
 
 # -- the vocoder ------------------------------------------------------------------------------------
-
-
-def load_mimi(path, *, dtype: str, device: str):
-    """Mimi from a CSM checkpoint: the whole model is loaded (transformers maps the checkpoint's names onto the
-    modules) and all but its ``codec_model`` dropped at once."""
-    from transformers import CsmForConditionalGeneration
-
-    want = torch_dtype(dtype)
-    model = CsmForConditionalGeneration.from_pretrained(path, local_files_only=True,
-                                                        dtype=want if want is not None else torch.float32)
-    return model.codec_model.to(device).eval()
 
 
 @attrs.define
@@ -340,7 +351,12 @@ class MimiVocoder(StreamingVocoder):
                                              "lookback_frames"))
 
     def load_model(self, path, *, dtype: str, device: str):
-        return load_mimi(path, dtype=dtype, device=device)
+        self.model_key, shared = CsmModel.acquire(path, dtype, device)  # the talker's, in its process
+        return shared.model.codec_model
+
+    async def close(self) -> None:
+        await super().close()
+        await EngineRegistry.process().release(self.model_key)
 
     def new_synthesis(self, speaker: Any, generator: torch.Generator) -> MimiSynthesis:
         return MimiSynthesis(self)
