@@ -5,6 +5,7 @@ naming the voices, and nothing is left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import wave
@@ -122,3 +123,48 @@ def test_an_unknown_voice_is_a_400_naming_the_voices_and_text_only_still_answers
                                            max_tokens=MAX_TOKENS, temperature=0)
     assert reply.choices[0].message.content == native("ethan")["text"]
     assert reply.choices[0].message.audio is None
+
+
+async def until_done(conn) -> list:
+    events = []
+    async for event in conn:
+        events.append(event)
+        assert event.type != "error", event.error
+        if event.type == "response.done":
+            return events
+    raise AssertionError("closed before response.done")
+
+
+def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(server):
+    """The realtime API (mounted by the pipeline's serve block) takes the openai adapter options as they are."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model=NAME, max_retries=0) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {
+                "input": {"turn_detection": None}, "output": {"voice": "aiden"}}})
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": PROMPT}]})
+            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
+            spoken = await until_done(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "again"}]})
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": MAX_TOKENS})
+            return spoken, await until_done(conn)
+
+    spoken, typed = asyncio.run(asyncio.wait_for(main(), 600))
+    user = {"role": "user", "content": [{"type": "text", "text": PROMPT}]}
+    r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": {
+        "wav_path": None, "messages": [user], "max_new_tokens": MAX_TOKENS, "speaker": "aiden"}})
+    assert r.status_code == 200, r.text
+    want = from_jsonable(r.json()["result"], "result")
+    done = spoken[-1].response
+    assert done.status == "completed"
+    assert "".join(e.delta for e in spoken if e.type == "response.output_audio_transcript.delta") == want["text"]
+    pcm = b"".join(base64.b64decode(e.delta) for e in spoken if e.type == "response.output_audio.delta")
+    assert_same_pcm(pcm, want["audio"])
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (want["prompt_tokens"], want["completion_tokens"])
+    done = typed[-1].response
+    assert done.status == "completed" and "response.output_audio.delta" not in [e.type for e in typed]
+    assert "".join(e.delta for e in typed if e.type == "response.output_text.delta")
+    assert done.usage.input_tokens > want["prompt_tokens"]  # it read the first turn too
