@@ -224,3 +224,32 @@ def test_an_unknown_speaker_is_refused_naming_the_voices(stages):
     with pytest.raises(InvalidInput, match="aiden, chelsie, ethan") as refused:
         asyncio.run(speak((thinker, talker, code2wav), payload))
     assert refused.value.field == "speaker"
+
+
+def test_requests_aborted_mid_speech_free_their_rows_and_the_others_are_unchanged(stages):
+    processor, chain = stages
+    thinker, talker, _ = chain
+    payloads = [processor({"text": text, "speaker": SPEAKER}, None) for text in PROMPTS[:6]]
+
+    async def go():
+        alone = await speak(chain, payloads[0])
+        doomed = [asyncio.ensure_future(speak(chain, p)) for p in payloads[1:]]
+        # Abort once every doomed request's talker row is live and frames are being made.
+        deadline = asyncio.get_running_loop().time() + 300
+        while talker.loop.live < len(doomed) or not talker.loop.memory_in_use:
+            assert asyncio.get_running_loop().time() < deadline, "the talker rows never went live"
+            await asyncio.sleep(0.01)
+        kept = asyncio.ensure_future(speak(chain, payloads[0]))
+        for task in doomed:
+            task.cancel()
+        await asyncio.gather(*doomed, return_exceptions=True)
+        again = await kept
+        deadline = asyncio.get_running_loop().time() + 60
+        while talker.loop.live or talker.loop.memory_in_use or thinker.engine.loop.live:
+            assert asyncio.get_running_loop().time() < deadline, (talker.loop, thinker.engine.loop)
+            await asyncio.sleep(0.01)
+        return alone, again
+
+    alone, again = asyncio.run(go())
+    assert again[0]["token_ids"] == alone[0]["token_ids"] and again[1]["codes"] == alone[1]["codes"]
+    assert again[2]["audio"].shape == alone[2]["audio"].shape
