@@ -165,6 +165,14 @@ def test_the_batched_sampler_equals_each_rows_own_sampler():
         assert sample_rows(many, ids, logits) == alone
         logits = logits.roll(7, dims=1)
     assert len(set(alone)) > 1
+    # a row whose probabilities are not finite fails alone, with multinomial's own error
+    broken = logits.clone()
+    broken[3] = float("nan")
+    drawn = sample_rows(samplers(), ids, broken)
+    assert isinstance(drawn[3], RuntimeError) and "probability tensor" in str(drawn[3])
+    fresh = samplers()
+    assert [d for i, d in enumerate(drawn) if i != 3] == [
+        fresh[i](torch.tensor([ids[i]]), broken[i:i + 1]) for i in range(12) if i != 3]
 
 
 @pytest.mark.parametrize(("option", "value", "words"), [

@@ -140,7 +140,7 @@ class Sampler:
         return int(torch.argmax(scores, dim=-1)[0])
 
 
-def sample_rows(samplers: list[Sampler], ids: list[list[int]], logits: torch.Tensor) -> list[int]:
+def sample_rows(samplers: list[Sampler], ids: list[list[int]], logits: torch.Tensor) -> list[int | Exception]:
     """One token per row (``logits`` [B, vocab], row i drawn by ``samplers[i]`` with ``ids[i]`` as
     its sequence so far): equal, token for token, to calling each row's sampler alone.
 
@@ -149,9 +149,9 @@ def sample_rows(samplers: list[Sampler], ids: list[list[int]], logits: torch.Ten
     once more the same id); greedy rows take one argmax. A sampled row draws from its own
     generator what ``torch.multinomial`` draws for one sample (``q ~ Exp(1)`` per token, then
     the argmax of ``p / q``), so the per-request seeds keep their meaning; only those draws are
-    per row. A batch with a non-finite probability goes row by row, so the row at fault raises
-    ``torch.multinomial``'s own error."""
-    picks = [0] * len(samplers)
+    per row. A batch with a non-finite probability goes row by row: the row at fault gets
+    ``torch.multinomial``'s own error in its place, the others their tokens."""
+    picks: list[int | Exception] = [0] * len(samplers)
     groups: dict[tuple, list[int]] = {}
     for i, sampler in enumerate(samplers):
         groups.setdefault((sampler.settings, bool(ids[i])), []).append(i)
@@ -169,7 +169,10 @@ def sample_rows(samplers: list[Sampler], ids: list[list[int]], logits: torch.Ten
             probs = torch.nn.functional.softmax(scores, dim=-1)
             if not bool(torch.isfinite(probs).all()):
                 for j, i in enumerate(rows):
-                    picks[i] = samplers[i](sequence[j:j + 1, :len(ids[i])], logits[i:i + 1])
+                    try:
+                        picks[i] = samplers[i](sequence[j:j + 1, :len(ids[i])], logits[i:i + 1])
+                    except Exception as exc:  # this row's alone
+                        picks[i] = exc
                 continue
             q = torch.empty_like(probs)
             for j, i in enumerate(rows):

@@ -46,8 +46,8 @@ from omni_core.kits import NO_OUTPUT, DecodeLoop
 from .batched import RowKV, RowsCache, crop_to, run_rows, sample, use_row_attention
 from .chunks import CodesChunk, TextChunk, ThinkerEnd, ThinkerHead, thinker_chunk
 from .sampling import Sampler, make_generator, resolve_model_path, sample_rows
-from .vocoder import FIRST_CHUNKS
 from .streams import USAGE_KEYS, StreamProgress, request_seed
+from .vocoder import FIRST_CHUNKS
 
 
 class TalkerRow:
@@ -159,15 +159,13 @@ class CodecTalker:
         return [sample(state, logits, self.device)]
 
     def frames(self, states: list[TalkerRow], logits: list[torch.Tensor]) -> list[list[int] | Exception]:
-        """One step's frames, one per row with an output (default: ``frame`` row by row, a row's
-        failure its own); a talker whose frame needs more forwards (a code predictor) runs them for
-        all the rows at once here."""
+        """One step's frames, one per row with an output, a row's failure its own (default: with the
+        default ``frame``, one sampler call for all the rows, the same codes as row by row; with a
+        family's own ``frame``, that row by row); a talker whose frame needs more forwards (a code
+        predictor) runs them for all the rows at once here."""
         if type(self).frame is CodecTalker.frame and states:
-            try:  # one sampler call for every row (the same codes as row by row)
-                codes = sample_rows([s.sampler for s in states], [s.ids for s in states], torch.cat(logits))
-                return [[code] for code in codes]
-            except Exception:  # noqa: BLE001 - row by row below, so only the row at fault fails
-                pass
+            codes = sample_rows([s.sampler for s in states], [s.ids for s in states], torch.cat(logits))
+            return [code if isinstance(code, Exception) else [code] for code in codes]
         made: list = []
         for state, lg in zip(states, logits, strict=True):
             try:
