@@ -164,6 +164,19 @@ def test_16_concurrent_uploads_each_equal_its_lone_result_and_generate(client, r
     assert together == alone == expected
 
 
+def test_a_sampled_request_draws_the_same_beside_greedy_ones(client, reference):
+    data = clip(2.0, 4)
+
+    def one(temperature: float) -> str:
+        return client.audio.transcriptions.create(model="whisper", file=("a.wav", data), temperature=temperature).text
+
+    sampled, greedy = one(0.9), one(0.0)
+    assert greedy == reference(data)[1] and sampled != greedy
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(one, [0.9, 0.0, 0.9, 0.0]))
+    assert together == [sampled, greedy, sampled, greedy]
+
+
 @pytest.mark.parametrize(("what", "files", "fields", "status", "param", "says"), [
     ("not audio", {"file": ("a.wav", b"hello, not audio", "audio/wav")}, {}, 400, "file", "not audio"),
     ("empty", {"file": ("a.wav", b"", "audio/wav")}, {}, 400, "file", "empty"),

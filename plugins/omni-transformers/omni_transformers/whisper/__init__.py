@@ -1,5 +1,6 @@
 """Whisper (``model_type`` ``whisper``): speech recognition. Its stage (``transformers.whisper.asr``) transcribes
-concurrent requests in one batch (features and ``generate`` per micro-batch, tokens streamed per row); its pipeline
+concurrent requests together (the encoder micro-batched, the decoder on the decode loop with per-row KV, tokens
+streamed per row); its pipeline
 ``whisper`` is served by ``omni serve`` as OpenAI's ``POST /v1/audio/transcriptions`` (``kind: asr``); its tiny
 checkpoint: ``python -m omni_transformers.tiny DIR --family whisper``."""
 
