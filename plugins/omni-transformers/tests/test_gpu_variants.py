@@ -1,4 +1,5 @@
-"""The GPU-placed variants of the Qwen pipelines (``qwen2_5_omni.gpu``, ``qwen2_5_omni.split.gpu``):
+"""The GPU-placed variants of the Qwen pipelines (``qwen2_5_omni.gpu``, ``qwen2_5_omni.split.gpu``, and
+Qwen3-Omni's ``qwen3_omni.gpu``, ``qwen3_omni.split.gpu``):
 ``omni plan NAME --gpus N`` puts their stages on the GPUs, and they stay the pipelines they vary
 (same stages, wiring, arguments and serve section; only placement and memory shares added)."""
 
@@ -16,7 +17,9 @@ from omni_core.config import collect_issues, load_config
 from omni_core.plugins import load_plugins
 
 VARIANTS = {"qwen2_5_omni.gpu": ("qwen2_5_omni_gpu.yaml", "qwen2_5_omni.yaml"),
-            "qwen2_5_omni.split.gpu": ("qwen2_5_omni_split_gpu.yaml", "qwen2_5_omni_split.yaml")}
+            "qwen2_5_omni.split.gpu": ("qwen2_5_omni_split_gpu.yaml", "qwen2_5_omni_split.yaml"),
+            "qwen3_omni.gpu": ("qwen3_omni_gpu.yaml", "qwen3_omni.yaml"),
+            "qwen3_omni.split.gpu": ("qwen3_omni_split_gpu.yaml", "qwen3_omni_split.yaml")}
 
 
 def omni_plan(name: str, *args: str) -> dict:

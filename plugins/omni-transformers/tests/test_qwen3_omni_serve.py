@@ -17,6 +17,7 @@ import torch
 from omni_core.encoding import from_jsonable
 from omni_core.testing.leaks import assert_nothing_left, runtime_dirs, shm_segments
 from omni_core.testing.serve import ServerProcess
+from test_serve_realtime import until_done
 
 from omni_transformers.qwen3_omni import tiny
 
@@ -123,16 +124,6 @@ def test_an_unknown_voice_is_a_400_naming_the_voices_and_text_only_still_answers
                                            max_tokens=MAX_TOKENS, temperature=0)
     assert reply.choices[0].message.content == native("ethan")["text"]
     assert reply.choices[0].message.audio is None
-
-
-async def until_done(conn) -> list:
-    events = []
-    async for event in conn:
-        events.append(event)
-        assert event.type != "error", event.error
-        if event.type == "response.done":
-            return events
-    raise AssertionError("closed before response.done")
 
 
 def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(server):
