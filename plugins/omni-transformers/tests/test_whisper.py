@@ -100,6 +100,24 @@ def test_the_tiny_checkpoint_has_the_real_layout_and_stops(whisper_tiny):
         assert len(tok(special, add_special_tokens=False).input_ids) == 1, special
 
 
+def test_the_transformers_internals_the_decode_loop_drives_are_there(whisper_tiny):
+    """whisper/loop.py drives the decoder's layers with a cache WhisperAttention reads as an EncoderDecoderCache:
+    a transformers release that reads other names fails here, naming what moved."""
+    import inspect
+
+    from transformers import WhisperForConditionalGeneration
+    from transformers.models.whisper import modeling_whisper
+
+    source = inspect.getsource(modeling_whisper.WhisperAttention.forward)
+    for name in ("isinstance(cache, EncoderDecoderCache)", "cache.is_updated", "cache.cross_attention_cache",
+                 "cache.self_attention_cache", "cache.layers[self.layer_idx].keys", "cache.update("):
+        assert name in source, f"transformers' WhisperAttention.forward no longer has {name!r}: see whisper/loop.py"
+    decoder = WhisperForConditionalGeneration.from_pretrained(whisper_tiny).model.decoder
+    assert isinstance(decoder.embed_positions.weight, torch.Tensor) and decoder.layer_norm is not None
+    layer = inspect.signature(type(decoder.layers[0]).forward).parameters
+    assert {"encoder_hidden_states", "cache", "attention_mask"} <= set(layer), "WhisperDecoderLayer.forward changed"
+
+
 def test_the_server_is_the_checkpoints_family_pipeline(client):
     assert [m.id for m in client.models.list().data] == ["whisper"]
 
