@@ -36,7 +36,8 @@ def omni_register_stages(register):
     register(f"{PREFIX}.talker", f"{_Q}.talker:Talker",
              description="Qwen2.5-Omni talker: codec codes from the thinker's live stream", check=check)
     register(f"{PREFIX}.token2wav", f"{_Q}.token2wav:Token2Wav",
-             description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)", check=check)
+             description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)",
+             check="omni_transformers.kit.checks:check_vocoder")  # the checkpoint and the chunk mode
     register("transformers.qwen3_omni.processor", "omni_transformers.qwen3_omni.processor:Processor",
              description="Qwen3-Omni inputs (chat messages, text parts) -> input_ids", check=check)
     register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_transformers.kit.checks import check_vocoder
 from omni_transformers.kit.sampling import make_generator
 from omni_transformers.kit.vocoder import ChunkSchedule, stream_difference
 from omni_transformers.qwen2_5_omni.parts import speaker_params
@@ -111,3 +112,11 @@ def test_each_modes_chunks_are_within_its_bound_of_the_unchunked_synthesis(stage
 def test_the_fast_preset_is_what_the_docs_measured():
     assert SCHEDULES["fast"] == {"first": 1, "growth": 4.0, "largest": 256, "lookahead": 2, "lookback": 8}
     assert SCHEDULES["exact"] == {"first": 4, "growth": 2.0, "largest": 256, "lookahead": 8, "lookback": 8}
+
+
+def test_a_bad_mode_is_named_before_anything_loads(tiny_model):
+    assert list(check_vocoder({"model": str(tiny_model), "mode": "fast"}, env={})) == []
+    (issue,) = check_vocoder({"model": str(tiny_model), "mode": "quick"}, env={})
+    assert issue.path == "mode" and issue.message == "mode must be one of exact, fast, got 'quick'"
+    with pytest.raises(ValueError, match="mode must be one of exact, fast, got 'quick'"):
+        Token2Wav(str(tiny_model), mode="quick")

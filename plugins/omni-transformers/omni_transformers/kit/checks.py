@@ -38,3 +38,17 @@ def check_model(args: Mapping[str, Any], *, env: Mapping[str, str]) -> Iterator[
     elif not (path / "config.json").is_file():
         yield ConfigIssue("model", f"{where}={str(model)!r} is not a checkpoint folder (no config.json in it)",
                           "give the folder save_pretrained wrote (config.json beside the weights)")
+
+
+#: A streaming vocoder's chunk modes (``kit.vocoder.MODES`` reads them from here).
+VOCODER_MODES = ("exact", "fast")
+
+
+def check_vocoder(args: Mapping[str, Any], *, env: Mapping[str, str]) -> Iterator[ConfigIssue]:
+    """:func:`check_model`, and ``mode`` one of :data:`VOCODER_MODES`."""
+    yield from check_model(args, env=env)
+    mode = args.get("mode", "exact")
+    if mode not in VOCODER_MODES:
+        yield ConfigIssue("mode", f"mode must be one of {', '.join(VOCODER_MODES)}, got {mode!r}",
+                          "mode: exact (equal to the unchunked synthesis) or fast (the first audio after a few "
+                          "frames; docs/models.md)")

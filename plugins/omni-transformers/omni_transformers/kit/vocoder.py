@@ -49,6 +49,7 @@ from omni_core.files import local_path
 from omni_core.kits import BatcherClosed, BatchError, BatchStats
 from omni_core.kits.worker import Worker
 
+from .checks import VOCODER_MODES
 from .chunks import AudioChunk, ChunkError, CodesChunk, TextChunk, codes_chunk
 from .sampling import make_generator, resolve_model_path
 from .streams import USAGE_KEYS, StreamProgress, request_seed
@@ -106,7 +107,7 @@ def receptive_field(vocoder, mel_dim: int, hop: int, device, start: int = 16, li
 #: context on the model's own blocks (equal to the unchunked synthesis within the family's tested
 #: bound); ``fast`` starts at one frame, ramps up, and looks ahead less (the first audio sooner, a
 #: measured difference to the unchunked synthesis; docs/models.md).
-MODES = ("exact", "fast")
+MODES = VOCODER_MODES
 
 
 class ChunkSchedule:
