@@ -12,7 +12,7 @@ from typing import Any
 
 from . import common
 
-SCENARIOS = ("hop", "throughput", "stream", "relay", "startup", "scale", "serve", "ray")
+SCENARIOS = ("hop", "throughput", "stream", "steps", "relay", "startup", "scale", "serve", "ray")
 #: Scenarios whose module is not named after them (``bench.ray`` would read as the ray package).
 MODULES = {"ray": "ray_launcher"}
 

@@ -1,7 +1,8 @@
-"""Messages per decode step and runtime CPU per streamed token, at 1, 16 and 64 rows (a quick,
-repeatable check, not a ``python -m bench`` scenario).
+"""steps: messages per decode step and runtime CPU per streamed token, at 1, 16 and 64 rows.
 
-``python -m bench.steps [--rows 1 16 64] [--tokens 32] [--rounds 5]`` runs
+``python -m bench --scenario steps`` (the scenario; ``--quick`` for a small size), or
+``python -m bench.steps [--rows 1 16 64] [--tokens 32] [--rounds 5] [--compare]`` (the same
+measurement, one JSON line per row count), runs
 ``bench.stages.steps_pipeline``: ``stepper``, a :class:`~omni_core.kits.DecodeLoop` of ``rows``
 rows whose step is a trivial loop (so what its process spends is the runtime's), streams every
 token with a ``[1, 1, 256]`` bfloat16 hidden state to ``reader`` (another process) and the token
@@ -22,7 +23,16 @@ import json
 import os
 import time
 
+from typing import Any
+
+from . import common
 from .cpu import _clock_ns
+
+NAME = "steps"
+SIZES = {
+    "quick": {"rows": [1, 16, 64], "tokens": 8, "rounds": 2, "compare": True},
+    "full": {"rows": [1, 16, 64], "tokens": 32, "rounds": 5, "compare": True},
+}
 
 
 async def _one(rows: int, tokens: int, rounds: int, together: bool) -> dict:
@@ -64,6 +74,47 @@ async def _one(rows: int, tokens: int, rounds: int, together: bool) -> dict:
                              "reader": round(cpu["reader"] / 1e3 / streamed, 2),
                              "caller": round(me / 1e3 / streamed, 2)},
     }
+
+
+def run(params: dict[str, Any], *, quick: bool, ray: bool) -> dict[str, Any]:
+    """The scenario: every row count with the one-message-per-step send on (and off, with
+    ``compare``), each in a pipeline of its own."""
+    doc = common.result(NAME, quick=quick, parameters=params)
+    modes = (True, False) if params.get("compare") else (True,)
+    for rows in params["rows"]:
+        for together in modes:
+            common.log(f"steps: {rows} rows, one message per step {'on' if together else 'off'}")
+            doc["rows"].append(asyncio.run(_one(rows, params["tokens"], params["rounds"], together)))
+    for r in doc["rows"]:
+        if r["together"]:
+            worst = max(r["messages per step"].values())
+            doc["ratios"][str(r["rows"])] = {"messages per step per destination": worst}
+            doc["checks"][f"{r['rows']} rows: one message per step per destination"] = worst <= 1.0
+    return doc
+
+
+def summary(doc: dict[str, Any]) -> str:
+    headers = ["rows", "one message per step", "messages/step to reader", "to caller", "tokens/s",
+               "stepper CPU µs/token", "reader", "caller"]
+    rows = [[r["rows"], "on" if r["together"] else "off", r["messages per step"].get("reader"),
+             r["messages per step"].get("caller"), r["tokens/s"], r["cpu us per token"]["stepper"],
+             r["cpu us per token"]["reader"], r["cpu us per token"]["caller"]] for r in doc["rows"]]
+    return "messages per decode step and CPU per streamed token\n" + common.table(headers, rows)
+
+
+def plot(doc: dict[str, Any], path: str, plt: Any) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for together, style in ((True, "o-"), (False, "s--")):
+        pts = [(r["rows"], max(r["messages per step"].values())) for r in doc["rows"] if r["together"] is together]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                    label="one message per step" if together else "before (turn's early sends)")
+    ax.set_xlabel("rows per decode step")
+    ax.set_ylabel("zmq messages per step per destination")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ TINY = {
     # 4 x 4 chunks: within what today's shm relay holds at once (32 slots), so omni completes
     "stream": {"relays": ["auto"], "concurrency": [1, 4], "chunks": 4, "warmup_s": 0.05, "duration_s": 0.2,
                "rounds": 1, "deadline_s": 30.0},
+    "steps": {"rows": [1, 4], "tokens": 3, "rounds": 1, "compare": True},
     "relay": {"sizes": [4 * KiB, 16 * MiB], "target_s": 0.01, "min_reps": 2, "max_reps": 4, "rounds": 2},
     "startup": {"processes": [1], "rounds": 1, "cold": False},
     "scale": {"points": [[1, 4 * KiB], [70, 1 * MiB]], "duration_s": 0.1, "warmup_s": 0.05, "settle_s": 0.05},
@@ -150,6 +151,18 @@ def _check_cpu(report: dict, roles: set[str] | None, *, messages: int | None, st
     per_stage = [report["roles"][r]["us_per_message"] for r in report["stage_roles"]]
     assert math.isclose(report["stage_us_per_message"], sum(per_stage) / len(per_stage), rel_tol=1e-9)
     assert _number(report["cores"]) and report["cores"] > 0
+
+
+def test_steps_counts_messages_per_step_with_the_send_on_and_off(results):
+    doc, _ = results["steps"]
+    assert {(r["rows"], r["together"]) for r in doc["rows"]} == {(n, on) for n in (1, 4) for on in (True, False)}
+    for r in doc["rows"]:
+        assert r["steps"] >= 3 and set(r["messages per step"]) == {"reader", "caller"}
+        assert all(_number(v) and v > 0 for v in r["cpu us per token"].values()), r
+        if r["together"]:
+            assert r["messages per step"] == {"reader": 1.0, "caller": 1.0}, r  # a count, not a time
+    assert doc["checks"] == {"1 rows: one message per step per destination": True,
+                             "4 rows: one message per step per destination": True}
 
 
 def test_cpu_window_reads_what_the_process_spent():
