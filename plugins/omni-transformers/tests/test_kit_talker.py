@@ -185,6 +185,11 @@ def test_bad_chunking_options_are_refused_naming_the_option(fake_checkpoint, opt
         FakeTalker(str(fake_checkpoint), **{option: value})
 
 
+def test_the_talker_yields_to_first_chunks_on_cpu_by_default(fake_checkpoint):
+    assert FakeTalker(str(fake_checkpoint)).yield_to_first_audio == 0.25
+    assert FakeTalker(str(fake_checkpoint), yield_to_first_audio=0).yield_to_first_audio == 0
+
+
 def test_first_codes_per_chunk_equal_to_codes_per_chunk_gives_equal_chunks(fake_checkpoint):
     talker = FakeTalker(str(fake_checkpoint), codes_per_chunk=4, first_codes_per_chunk=4)
     assert [e for e, _ in zip(talker.chunk_ends(), range(4), strict=False)] == [4, 8, 12, 16]

@@ -89,7 +89,8 @@ class CodecTalker:
     ``codes_per_chunk`` frames (``first_codes_per_chunk`` = ``codes_per_chunk``: equal chunks);
     ``talker_max_new_tokens`` and ``talker_do_sample`` in a request override the stage's.
     ``yield_to_first_audio``: while a vocoder in this process makes a request's first chunk, a
-    step waits for it up to that many seconds (0: never; ``kit.vocoder.FirstChunkGate``)."""
+    step waits for it up to that many seconds (0: never; default 0.25 on CPU, where the two share
+    the interpreter lock, else 0; ``kit.vocoder.FirstChunkGate``)."""
 
     #: codes per frame (1: one codebook; 16 for a 16-codebook talker)
     codebooks = 1
@@ -102,7 +103,7 @@ class CodecTalker:
                  eos_token_id: list[int] | None = None, codes_per_chunk: int = 16, source: str = "thinker",
                  max_batch_size: int = 64, kv_cache_tokens: int | None = 524288,
                  max_prefill_tokens: int | None = 512, first_codes_per_chunk: int = 1,
-                 yield_to_first_audio: float = 0.25):
+                 yield_to_first_audio: float | None = None):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model = self.load_model(self.path, dtype=dtype, device=device)
@@ -120,6 +121,8 @@ class CodecTalker:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.codes_per_chunk = codes_per_chunk
         self.first_codes_per_chunk = min(first_codes_per_chunk, codes_per_chunk)
+        if yield_to_first_audio is None:  # on CPU the stages of a process share the interpreter lock
+            yield_to_first_audio = 0.25 if self.device.type == "cpu" else 0.0
         if isinstance(yield_to_first_audio, bool) or not isinstance(yield_to_first_audio, (int, float)) \
                 or not 0 <= yield_to_first_audio <= 10:
             raise ValueError(f"yield_to_first_audio must be seconds between 0 and 10 (0: never), "
