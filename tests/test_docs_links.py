@@ -97,3 +97,13 @@ def test_a_missing_file_and_a_missing_heading_are_reported(tmp_path):
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_every_relative_link_resolves(page):
     assert broken_links(page) == [], f"{page.relative_to(ROOT)}: broken links (fix the path or the heading)"
+
+
+def test_the_index_lists_every_page():
+    """docs/README.md, the index by audience, links every page of docs/ (a new page is added there)."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve() for target in links(index.read_text(encoding="utf-8"))
+              if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I)}
+    pages = {p.resolve() for p in (ROOT / "docs").rglob("*.md") if p != index}
+    missing = sorted(str(p.relative_to(ROOT)) for p in pages - linked)
+    assert missing == [], f"docs/README.md does not list {missing}: add each under its audience, with one line"
