@@ -52,7 +52,7 @@ class DecodeRow:
     """One transcription in the loop: its encoder states, prompt, caches, sampler and tokens."""
 
     __slots__ = ("encoder", "prompt", "detect", "cache", "kv", "cross_keys", "cross_values", "sampler", "tokens",
-                 "max_new", "begin_suppress", "ids")
+                 "max_new", "ids")
 
     def __init__(self, encoder: torch.Tensor, prompt: list[int], detect: bool, sampler: Sampler, max_new: int):
         self.encoder = encoder  # [1, 1500, d]
@@ -86,6 +86,8 @@ class WhisperDecoding:
         self.suppress = list(generation_config.suppress_tokens or [])
         self.begin_suppress = list(generation_config.begin_suppress_tokens or [])
         self.decoder_config = self._decoder_cache_config()
+        # the last step's rows (held, so their identity is theirs) and their stacked cross KV
+        self._stacked: tuple[list[DecodeRow], _Stacked] | None = None
 
     def _decoder_cache_config(self):
         import copy
@@ -109,6 +111,7 @@ class WhisperDecoding:
                 done = token == self.eos or len(state.tokens) >= state.max_new
                 if done:
                     rows[i].finish()
+                    self._stacked = None  # the rows change: nothing of a finished row is held
                 results[i] = token
         return results
 
@@ -130,7 +133,10 @@ class WhisperDecoding:
         positions = torch.tensor([s.kv.length for s in states], device=device)
         hidden = (self.decoder.embed_tokens(ids) + self.decoder.embed_positions.weight[positions])[:, None, :]
         rows_cache = RowsCache([s.kv for s in states])
-        cache = StepCache(rows_cache, _Stacked(states, self.layers), self.layers)
+        last = self._stacked[0] if self._stacked is not None else []
+        if len(last) != len(states) or any(a is not b for a, b in zip(last, states, strict=True)):
+            self._stacked = (states, _Stacked(states, self.layers))  # stacked again only when the rows change
+        cache = StepCache(rows_cache, self._stacked[1], self.layers)
         dummy = states[0].encoder  # the layers run cross-attention when given encoder states; the cache holds them
         for layer in self.decoder.layers:
             hidden = layer(hidden, attention_mask=None, encoder_hidden_states=dummy, cache=cache, use_cache=True)
@@ -147,9 +153,7 @@ class WhisperDecoding:
                 state.detect = False
             state.cache = EncoderDecoderCache(DynamicCache(config=self.decoder_config),
                                               DynamicCache(config=self.decoder_config))
-        crop_to(state.cache.self_attention_cache, start)
-        if start == 0:
-            state.cache.is_updated = {}  # a retried first chunk computes the cross keys again
+        crop_to(state.cache.self_attention_cache, start)  # a chunk run again starts from the same cache
         ids = torch.tensor([state.prompt[start:end]], device=state.encoder.device)
         position_ids = torch.arange(start, end, device=ids.device)[None]
         out = self.decoder(input_ids=ids, encoder_hidden_states=state.encoder, cache=state.cache,
