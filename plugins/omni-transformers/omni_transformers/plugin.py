@@ -39,7 +39,9 @@ def omni_register_stages(register):
              description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)",
              check="omni_transformers.kit.checks:check_vocoder")  # the checkpoint and the chunk mode
     register("transformers.qwen3_omni.processor", "omni_transformers.qwen3_omni.processor:Processor",
-             description="Qwen3-Omni inputs (chat messages, text parts) -> input_ids", check=check)
+             description="Qwen3-Omni inputs (chat messages with text and audio) -> model inputs", check=check)
+    register("transformers.qwen3_omni.audio_encoder", "omni_transformers.qwen3_omni.encoders:AudioEncoder",
+             description="Qwen3-Omni audio tower: audio features -> embeddings, micro-batched", check=check)
     register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",
              description="Qwen3-Omni MoE thinker: text tokens, batched across requests, streaming to the talker",
              check=check)

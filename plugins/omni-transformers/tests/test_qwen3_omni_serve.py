@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import wave
+from pathlib import Path
 
 import httpx
 import openai
@@ -159,3 +160,31 @@ def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(serv
     assert done.status == "completed" and "response.output_audio.delta" not in [e.type for e in typed]
     assert "".join(e.delta for e in typed if e.type == "response.output_text.delta")
     assert done.usage.input_tokens > want["prompt_tokens"]  # it read the first turn too
+
+
+def test_input_audio_is_heard_and_answered_with_speech_equal_to_the_pipeline(client, server):
+    import soundfile
+    from omni_core.encoding import to_jsonable
+
+    wav = Path(__file__).parent / "data" / "hello.wav"
+    speech, rate = soundfile.read(str(wav), dtype="float32")
+    question = {"type": "text", "text": "what is it?"}
+    r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": to_jsonable({
+        "wav_path": None, "max_new_tokens": MAX_TOKENS, "speaker": "ethan", "seed": SEED, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "audio", "audio": torch.from_numpy(speech), "sample_rate": rate}, question]}]})})
+    assert r.status_code == 200, r.text
+    want = from_jsonable(r.json()["result"], "result")
+    data = base64.b64encode(wav.read_bytes()).decode()
+    done = client.chat.completions.create(
+        model=NAME, max_tokens=MAX_TOKENS, seed=SEED, temperature=0, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                                               question]}])
+    assert done.choices[0].message.content == want["text"]
+    assert done.usage.prompt_tokens == want["prompt_tokens"] > 20  # the audio's placeholders count
+    with wave.open(io.BytesIO(base64.b64decode(done.choices[0].message.audio.data))) as out:
+        assert_same_pcm(out.readframes(out.getnframes()), want["audio"])
+    with pytest.raises(openai.BadRequestError, match="text and audio parts so far"):
+        client.chat.completions.create(model=NAME, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, question]}])

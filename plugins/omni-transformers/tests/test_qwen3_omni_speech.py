@@ -6,6 +6,7 @@ code that is the end code give text and no audio."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,46 @@ def test_requests_aborted_mid_speech_free_their_rows_and_the_others_are_unchange
     alone, again = asyncio.run(go())
     assert again[0]["token_ids"] == alone[0]["token_ids"] and again[1]["codes"] == alone[1]["codes"]
     assert again[2]["audio"].shape == alone[2]["audio"].shape
+
+
+def test_an_audio_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, stages):
+    """Audio in the prompt: the processor's features through the audio encoder stage, spliced into the thinker's
+    prompt; the talker reads the audio positions through hidden_projection at M-RoPE positions of its own."""
+    import soundfile
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_transformers.kit.wiring import text_inputs
+    from omni_transformers.qwen3_omni.encoders import AudioEncoder
+
+    processor, chain = stages
+    speech, rate = soundfile.read(str(Path(__file__).parent / "data" / "hello.wav"), dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": torch.from_numpy(speech), "sample_rate": rate},
+                                             {"type": "text", "text": "what is it?"}]}]
+    payload = processor({"messages": messages, "speaker": SPEAKER}, None)
+    assert len(payload["audio_features"]) == 1 and payload["input_ids"].count(tiny.SPECIAL["<|audio_pad|>"]) > 10
+    encoder = AudioEncoder(str(qwen3_tiny))
+    try:
+        encoded = asyncio.run(encoder({"audio_features": payload["audio_features"],
+                                       "audio_seqlens": payload["audio_seqlens"]}, None))
+    finally:
+        asyncio.run(encoder.close())
+    thought, talked, _ = asyncio.run(speak(chain, {**text_inputs(payload), **encoded}))
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_tiny).eval()
+    decoded = []
+    hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
+    ids = payload["input_ids"]
+    try:
+        seq, _ = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                input_features=payload["audio_features"][0][None],
+                                feature_attention_mask=torch.ones(1, payload["audio_seqlens"][0], dtype=torch.long),
+                                return_audio=True, speaker=SPEAKER, thinker_eos_token_id=tok.eos_token_id,
+                                thinker_max_new_tokens=THINKER_MAX, talker_do_sample=False,
+                                talker_max_new_tokens=TALKER_MAX)
+    finally:
+        hook.remove()
+    assert thought["token_ids"] == seq[0, len(ids):].tolist()
+    frames, want = frames_of(talked["codes"]), decoded[0][0].T.tolist()
+    # generate decodes one frame less when it stops at talker_max_new_tokens (its code predictor runs a step late)
+    assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)

@@ -84,13 +84,13 @@ def test_thinker_tokens_equal_generate_and_16_at_once_equal_alone(qwen3_tiny, st
         assert result["completion_tokens"] == len(result["token_ids"])
 
 
-def test_the_processor_refuses_media_parts_naming_them(stages):
+def test_the_processor_refuses_image_parts_naming_them(stages):
     processor, _ = stages
-    with pytest.raises(InvalidInput, match="text parts only") as refused:
+    with pytest.raises(InvalidInput, match="text and audio parts so far") as refused:
         processor({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                             {"type": "audio", "audio": "a.wav"}]}]}, None)
-    assert refused.value.field == "messages[0].content[1] (audio)"
-    with pytest.raises(InvalidInput, match="text parts only") as refused:
+                                                             {"type": "image", "image": "b.png"}]}]}, None)
+    assert refused.value.field == "messages[0].content[1] (image)"
+    with pytest.raises(InvalidInput, match="text and audio parts so far") as refused:
         processor({"text": "what is this?", "image": "b.png"}, None)
     assert refused.value.field == "image"
 

@@ -1,6 +1,7 @@
 """Qwen3-Omni's processor stage: a request's chat messages (or the ``text`` shorthand, or ``input_ids``) as the
-thinker's ``input_ids``, rendered with the checkpoint's chat template. Audio and image parts are refused (an
-``InvalidInput`` naming the part) until the family's encoder stages exist."""
+thinker's ``input_ids``, rendered with the checkpoint's chat template, and a request's audio as the audio
+encoder's features (``Qwen3OmniMoeProcessor``'s feature extraction and placeholder expansion). Image parts are
+refused (an ``InvalidInput`` naming the part) until the family's vision stage exists."""
 
 from __future__ import annotations
 
@@ -10,12 +11,51 @@ from ..qwen2_5_omni.processor import Processor as QwenProcessor
 from .thinker import DEFAULT_SPEAKER
 
 
+def qwen3_processor_class():
+    """``Qwen3OmniMoeProcessor`` without its video part (which needs torchvision; videos are not taken here), built
+    from the feature extractor, the image processor and the tokenizer alone."""
+    from transformers import Qwen3OmniMoeProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Qwen3Processor(Qwen3OmniMoeProcessor):
+        def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None):
+            ProcessorMixin.__init__(self, image_processor, feature_extractor, tokenizer, chat_template=chat_template)
+            for name in ("audio_token", "image_token", "video_token", "vision_bos_token", "vision_eos_token",
+                         "audio_bos_token", "audio_eos_token"):
+                setattr(self, name, getattr(tokenizer, name))
+            for name in ("audio_token", "image_token", "video_token"):
+                setattr(self, f"{name}_id", tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)))
+
+        @property
+        def model_input_names(self):
+            return ["input_ids", "attention_mask", "input_features", "feature_attention_mask", "pixel_values",
+                    "image_grid_thw"]
+
+    return Qwen3Processor
+
+
 class Processor(QwenProcessor):
     """As the Qwen2.5-Omni processor (same request keys and checks), with no default system prompt (Qwen3-Omni
-    needs none) and text parts only."""
+    needs none), generate's default voice (``ethan``), text and audio parts."""
 
     def __init__(self, model: str | None = None, system_prompt: str | None = None, chat_template: bool = True):
         super().__init__(model, system_prompt=system_prompt, chat_template=chat_template)
+
+    @property
+    def mm(self):
+        if self._mm is None:
+            from transformers import WhisperFeatureExtractor
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil,
+            )
+
+            if not (self.path / "preprocessor_config.json").is_file():
+                raise ValueError(f"{self.path} has no preprocessor_config.json: audio inputs need the checkpoint's "
+                                 "feature extractor and image processor settings")
+            self._mm = qwen3_processor_class()(
+                Qwen2VLImageProcessorPil.from_pretrained(self.path, local_files_only=True),
+                WhisperFeatureExtractor.from_pretrained(self.path, local_files_only=True), self.tokenizer)
+        return self._mm
 
     def __call__(self, payload, ctx) -> dict:
         out = super().__call__(payload, ctx)
@@ -28,8 +68,8 @@ class Processor(QwenProcessor):
             content = message.get("content") if isinstance(message, dict) else None
             for j, part in enumerate(content if isinstance(content, list) else []):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("audio", "image"):
+                if kind == "image":
                     where = part.get("where") or f"messages[{k - inserted}].content[{j}] ({kind})"
-                    raise InvalidInput(f"{where}: the qwen3_omni pipeline takes text parts only so far (audio and "
-                                       "image inputs are not served yet); send text", field=where)
+                    raise InvalidInput(f"{where}: the qwen3_omni pipeline takes text and audio parts so far (image "
+                                       "inputs are not served yet); send text or audio", field=where)
         return super().media_of(messages, origin, inserted)

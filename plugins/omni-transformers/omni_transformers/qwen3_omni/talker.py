@@ -59,7 +59,7 @@ class Talker(CodecTalker):
     """
 
     codebooks = 16
-    head_keys = ("user", "media", "tts", "speaker")
+    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens")
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_new_tokens: int = 4096, do_sample: bool = True, top_k: int = 50, top_p: float = 1.0,
@@ -82,6 +82,8 @@ class Talker(CodecTalker):
         self.predictor = m.code_predictor
         self.assistant_codes = [c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, None,
                                 c.codec_pad_id, c.codec_bos_id]
+        self.tts_pad_id = omni_config(self.path).tts_pad_token_id
+        self._prefilling: TalkerRow | None = None
 
     # -- the prompt --------------------------------------------------------------------------------------
     def prefill_inputs(self, head: dict, reply0: torch.Tensor | None) -> tuple[torch.Tensor, list[int]] | None:
@@ -100,8 +102,18 @@ class Talker(CodecTalker):
         codes[3] = int(head["speaker"][0])
         codec = torch.cat([torch.zeros(3, text.shape[1], dtype=text.dtype, device=self.device),
                            self.codec_embed(torch.tensor(codes, device=self.device))])
+        prefix = torch.cat([parts[user], text + codec])
+        seqlens = head["audio_seqlens"]
+        if seqlens.numel():  # M-RoPE positions over the talker's prompt ids (the user turns, then tts_pad)
+            ids = torch.cat([head["ids"][user.to(head["ids"].device)],
+                             torch.full((text.shape[0],), self.tts_pad_id, dtype=torch.long, device=self.device)])
+            rope, delta = self.model.get_rope_index(
+                ids[None], attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long, device=self.device),
+                audio_seqlens=seqlens)
+            head["positions"] = torch.cat([torch.arange(ids.shape[0], device=self.device)[None], rope[:, 0]])
+            head["rope_delta"] = int(delta.reshape(-1)[0])
         # The repetition penalty reads the codes made (generate passes the prompt as embeddings only).
-        return torch.cat([parts[user], text + codec]), []
+        return prefix, []
 
     def tail_input(self, state: TalkerRow, step: int) -> torch.Tensor:
         tts = state.head["tts"]
@@ -115,7 +127,17 @@ class Talker(CodecTalker):
         return torch.cat(embeds, dim=1).sum(1, keepdim=True) + self.model.text_projection(replies[:, None])
 
     def positions(self, states: list[TalkerRow]) -> torch.Tensor:
-        return super().positions(states).view(1, -1, 1).expand(4, -1, 1)
+        """[4, B, 1]: each row's length on the text axis, plus its prompt's M-RoPE delta on the other three."""
+        text = super().positions(states).view(1, -1, 1)
+        delta = torch.tensor([s.head.get("rope_delta", 0) for s in states], device=self.device).view(1, -1, 1)
+        return torch.cat([text, (text + delta).expand(3, -1, 1)])
+
+    def prefill(self, state: TalkerRow, start: int, end: int):
+        self._prefilling = state  # forward_prefill reads its positions (the decode loop's one thread)
+        try:
+            return super().prefill(state, start, end)
+        finally:
+            self._prefilling = None
 
     # -- forwards: code0's logits with the talker's last hidden state after them (the code predictor's input) --
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,7 +151,13 @@ class Talker(CodecTalker):
         return self._head(out.last_hidden_state)
 
     def forward_prefill(self, embeds: torch.Tensor, cache) -> torch.Tensor:
-        return self._head(self.model.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state)
+        positions = None
+        state = self._prefilling
+        if state is not None and "positions" in state.head:
+            start = cache.get_seq_length()
+            positions = state.head["positions"][:, start:start + embeds.shape[1]][:, None, :]
+        out = self.model.model(inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True)
+        return self._head(out.last_hidden_state)
 
     # -- a frame: code0, then the code predictor's 15 codes for every row at once --------------------------
     def frames(self, states: list[TalkerRow], logits: list[torch.Tensor]) -> list[list[int] | Exception]:

@@ -6,7 +6,8 @@ the thinker's input embeddings (hidden state 0) at text positions and its hidden
 at audio/image positions; per generated token, its input embedding (streamed one step later, when it is fed
 back); in the first chunk, which prompt positions are user turns and which are media, the embeddings of
 ``<tts_text_bos>``, ``<tts_text_eod>`` and ``<tts_pad>``, and the speaker's codec id (``speaker``: ``chelsie``,
-``ethan`` or ``aiden``, from the config; any case)."""
+``ethan`` or ``aiden``, from the config; any case), and for the talker's M-RoPE positions the prompt's ids and
+its audios' feature lengths. Audio in the prompt: the audio encoder's embeddings spliced in at its placeholders."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 from omni_core.errors import InvalidInput
 
 from ..kit.sampling import torch_dtype
+from ..kit.thinker import PrefillInputs, ThinkerEngine
 from ..kit.thinker import Thinker as KitThinker
-from ..kit.thinker import ThinkerEngine
+from ..qwen2_5_omni.inputs import prefill_inputs
 
 DEFAULT_SPEAKER = "ethan"  # generate's
 
@@ -61,7 +63,7 @@ class Qwen3ThinkerEngine(ThinkerEngine):
 class Thinker(KitThinker):
     __doc__ = KitThinker.__doc__
     engine_class = Qwen3ThinkerEngine
-    head_keys = ("user", "media", "tts", "speaker")
+    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens")
 
     def __init__(self, *args, speech: bool = True, **kwargs):
         super().__init__(*args, speech=speech, **kwargs)
@@ -96,10 +98,18 @@ class Thinker(KitThinker):
             if token == self.im_start:
                 role = ids[k + 1] if k + 1 < len(ids) else None
             user.append(role == self.user_id)
-        media = self.prefill_media(payload, len(ids))
-        return {"user": torch.tensor(user, dtype=torch.bool), "media": media,
-                "tts": self.engine.embeds(self.tts_ids), "speaker": torch.tensor([head], dtype=torch.long)}
+        return {"user": torch.tensor(user, dtype=torch.bool), "media": torch.zeros(len(ids), dtype=torch.bool),
+                "tts": self.engine.embeds(self.tts_ids), "speaker": torch.tensor([head], dtype=torch.long),
+                "ids": torch.tensor(ids, dtype=torch.long),
+                "audio_seqlens": torch.tensor(payload.get("audio_seqlens") or [], dtype=torch.long)}
 
-    def prefill_media(self, payload: dict, length: int) -> torch.Tensor:
-        """[L] bool: the prompt's audio/image placeholder positions (text prompts: none)."""
-        return torch.zeros(length, dtype=torch.bool)
+    def prefill_inputs(self, payload: dict) -> PrefillInputs:
+        """The prompt with the audio encoder's embeddings spliced in at its placeholders, M-RoPE positions from
+        the model's own ``get_rope_index`` (as for Qwen2.5-Omni)."""
+        return prefill_inputs(self.model, payload, self.device)
+
+    def _prepare(self, payload: dict, head) -> tuple[PrefillInputs, dict]:
+        pre, extra = super()._prepare(payload, head)
+        if self.speech and pre.media_mask is not None:  # the talker reads media positions through hidden_projection
+            extra["media"] = pre.media_mask.cpu()
+        return pre, extra

@@ -3,15 +3,19 @@ stage is ``code2wav``); the rest is the kit's (``kit.wiring``). Nothing here imp
 
 from __future__ import annotations
 
-from ..kit.wiring import TEXT
+from ..kit.wiring import AUDIO_ENCODER, TEXT
 
 VOCODER = "code2wav"
 
 
 def route_inputs(request_id, payload):
     """Route function of the processor: thinker, talker and code2wav (a text-only request,
-    ``return_audio: false``: the text-only thinker ``text`` alone)."""
-    return [TEXT] if payload.get("return_audio") is False else ["thinker", "talker", VOCODER]
+    ``return_audio: false``: the text-only thinker ``text`` alone), plus the audio encoder when the
+    request has audio."""
+    targets = [TEXT] if payload.get("return_audio") is False else ["thinker", "talker", VOCODER]
+    if payload.get("audio_features"):
+        targets.append(AUDIO_ENCODER)
+    return targets
 
 
 def terminal_stages(inputs):

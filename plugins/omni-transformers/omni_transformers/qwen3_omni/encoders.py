@@ -1,0 +1,51 @@
+"""Qwen3-Omni's audio encoder stage: its audio tower (``Qwen3OmniMoeAudioEncoder``), micro-batched across requests,
+with the Qwen2.5-Omni stage's payload and checks (``audio_features`` [mel, frames] per audio and ``audio_seqlens``
+in, ``audio_embeds`` [n, H] out). The tower attends within each audio's windows only, so a request's embeddings
+do not depend on its neighbours in a batch."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kit.sampling import resolve_model_path, torch_dtype
+from ..qwen2_5_omni.encoders import AudioEncoder as QwenAudioEncoder
+from .thinker import omni_config
+
+
+def load_audio_tower(model: str | None, *, dtype: str | None = "auto", device: str = "cpu"):
+    """The audio tower of a whole ``qwen3_omni_moe`` checkpoint (only its weights are read), in eval mode."""
+    import transformers
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    transformers.logging.set_verbosity_error()
+    path = resolve_model_path(model)
+    config = omni_config(path).thinker_config.audio_config
+    want = torch_dtype(dtype)
+    tower = Qwen3OmniMoeAudioEncoder.from_pretrained(
+        path, config=config, local_files_only=True, key_mapping={r"^thinker\.audio_tower\.": ""},
+        dtype=want if want is not None else "auto")
+    return tower.to(device).eval()
+
+
+class AudioEncoder(QwenAudioEncoder):
+    """The audio tower, as the thinker's ``get_audio_features`` runs it."""
+
+    def load_tower(self, model, *, dtype, device):
+        return load_audio_tower(model, dtype=dtype, device=device)
+
+    def forward(self, items: list[tuple[list[torch.Tensor], list[int]]]) -> list[torch.Tensor]:
+        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+            _get_feat_extract_output_lengths,
+        )
+
+        features = [f for feats, _ in items for f in feats]
+        lengths = torch.tensor([n for _, lens in items for n in lens], dtype=torch.long)
+        with torch.inference_mode():
+            stacked = torch.cat(features, dim=1).to(self.device, self.dtype)
+            out = self.tower(stacked, feature_lens=lengths.to(self.device)).last_hidden_state
+        per_audio = torch.split(out, _get_feat_extract_output_lengths(lengths).tolist())
+        results, k = [], 0
+        for feats, _ in items:
+            results.append(torch.cat(per_audio[k:k + len(feats)]))
+            k += len(feats)
+        return results
