@@ -2,10 +2,10 @@
 
 - :class:`Processor`: ``{"text", "voice"?}`` → the prompt (the chat template's ``[voice]text`` turn) and the
   request's generation settings, checked (an unknown voice is an ``InvalidInput`` naming the voices);
-- :class:`Talker`: the prompt → frames of ``num_codebooks`` codes (the backbone's codebook 0, the depth decoder's
-  others), concurrent requests in one ``generate`` per micro-batch whatever their settings (each row's codes chosen
-  by its own samplers and generator), each row's frames streamed to the vocoder as they come; a row ends at its end
-  frame (all codebooks but the last 0: not spoken) or its ``max_new_tokens``, and its caller is answered then;
+- :class:`Talker`: the prompt → frames of ``num_codebooks`` codes on the decode loop (:mod:`.loop`: the backbone's
+  codebook 0 for every live request in one forward with per-row KV, the depth decoder's other codebooks for all of
+  them in one call), each row's codes chosen by its own samplers and generator, its frames streamed to the vocoder
+  as they come; a row ends at its end frame (all codebooks but the last 0: not spoken) or its ``max_new_tokens``;
 - :class:`MimiVocoder`: the frames → 24 kHz audio as they arrive (``kit.vocoder.StreamingVocoder``): Mimi keeps no
   convolution state across calls, so each chunk is decoded again with ``lookback_frames`` frames of left context
   and only its own frames' samples kept.
@@ -13,34 +13,30 @@
 The stages of one process share one loaded checkpoint (:class:`CsmModel`).
 
 Per-request settings never leak: transformers' CSM ``generate`` writes its ``depth_decoder_*`` arguments into the
-depth decoder's shared generation config (after one sampled request, later greedy ones sample). The talker passes
-none: the settings live in each row's samplers, and the depth decoder's config is put back after every call.
+depth decoder's shared generation config (after one sampled request, later greedy ones sample). The talker never
+calls it: the settings live in each row's samplers.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import functools
 from typing import Any
 
 import attrs
 import torch
 from omni_core.errors import InvalidInput
-from omni_core.kits import MicroBatcher
-from transformers import LogitsProcessor
+from omni_core.kits import DecodeLoop
 
 from ..kit.chunks import CodesChunk
 from ..kit.engines import EngineRegistry
 from ..kit.sampling import Sampler, make_generator, resolve_model_path, torch_dtype
 from ..kit.streams import request_seed
 from ..kit.vocoder import ChunkSchedule, StreamingVocoder
+from .loop import CsmDecoding, FrameRow
 
 #: A request's generation settings (``depth_decoder_*``: the depth decoder's) and their checks.
 SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "depth_decoder_do_sample", "depth_decoder_temperature",
             "depth_decoder_top_k", "depth_decoder_top_p")
 DEFAULT_VOICES = ("0", "1")
-END = "end"
 
 
 def _setting(name: str, value: Any) -> Any:
@@ -97,73 +93,6 @@ class Processor:
                 "seed": request_seed(payload)}
 
 
-@attrs.define(eq=False)
-class Utterance:
-    """One request in a batch: its prompt, its samplers (backbone, depth decoder; one generator, its seed's) and
-    the queue its frames go to (then ``(END, ended)``)."""
-
-    input_ids: list[int]
-    backbone: Sampler
-    depth: Sampler
-    max_new: int
-    loop: asyncio.AbstractEventLoop
-    frames: asyncio.Queue = attrs.field(factory=asyncio.Queue)
-
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.frames.put_nowait, item)
-
-
-class RowSampling(LogitsProcessor):
-    """Each row's next token chosen by its own sampler (its settings, its generator); the scores ``generate`` gets
-    back allow that token alone, so its own choice (argmax) is the row's. Rows of any settings share a batch and
-    each draws exactly what it draws alone."""
-
-    def __init__(self, samplers: list[Sampler]):
-        self.samplers = samplers
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = torch.full_like(scores, -torch.inf)
-        for i, sampler in enumerate(self.samplers):
-            out[i, sampler(input_ids[i:i + 1].reshape(1, -1), scores[i:i + 1])] = 0.0
-        return out
-
-
-class FrameStreamer:
-    """A CSM ``generate`` streamer handing each row's frames to its utterance; a row ends at its end frame (all
-    codebooks but the last ``eos``: not audio) or its ``max_new`` frames, whatever the rest of the batch does."""
-
-    def __init__(self, rows: list[Utterance], eos: int):
-        self.rows = rows
-        self.eos = eos
-        self.prompt_seen = False
-        self.made = [0] * len(rows)
-        self.done = [False] * len(rows)
-
-    def _end(self, i: int, ended: bool) -> None:
-        self.done[i] = True
-        self.rows[i].put((END, ended))
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate's first put is the text prompt
-            self.prompt_seen = True
-            return
-        for i, frame in enumerate(value.tolist()):
-            if self.done[i]:
-                continue
-            if all(c == self.eos for c in frame[:-1]):
-                self._end(i, True)
-                continue
-            self.rows[i].put([int(c) for c in frame])
-            self.made[i] += 1
-            if self.made[i] >= self.rows[i].max_new:
-                self._end(i, False)
-
-    def end(self) -> None:
-        for i, done in enumerate(self.done):
-            if not done:
-                self._end(i, False)
-
-
 class CsmModel:
     """One loaded CSM checkpoint (backbone, depth decoder, Mimi), shared by the CSM stages of a process through the
     kit's :class:`~omni_transformers.kit.engines.EngineRegistry`: the talker runs the backbone and depth decoder, the
@@ -187,32 +116,33 @@ class CsmModel:
 
 
 class Talker:
-    """CSM's backbone and depth decoder: the prompt → frames of codes, streamed to ``vocoder`` in
-    ``CodesChunk`` chunks of ``codes_per_chunk`` frames; returns ``{"codes", "prompt_tokens",
+    """CSM's backbone and depth decoder on the decode loop (:mod:`.loop`): the prompt → frames of codes, streamed to
+    ``vocoder`` in ``CodesChunk`` chunks of ``codes_per_chunk`` frames; returns ``{"codes", "prompt_tokens",
     "completion_tokens", "finish_reason"}``.
 
     The checkpoint's generation config decides (as in ``generate``: CSM's samples); a request's ``do_sample``,
     ``temperature``, ``top_k``, ``top_p`` and their ``depth_decoder_*`` forms override it for that request alone,
-    and its ``seed`` seeds its own generator. Concurrent requests share one ``generate`` per micro-batch whatever
-    their settings: each row's tokens are chosen by its own sampler (:class:`RowSampling`), so a request draws the
-    same codes alone or in a batch. ``max_batch_size`` / ``max_wait``: the micro-batcher; ``max_new_tokens``: the
-    most frames (null: the checkpoint's)."""
+    and its ``seed`` seeds its own generator: a request draws the same codes alone or beside others.
+    ``max_batch_size``: the most rows in the loop; ``max_new_tokens``: the most frames (null: the checkpoint's);
+    ``max_prefill_tokens``: the most prompt tokens one step runs."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 max_batch_size: int = 8, max_wait: float = 0.01, max_new_tokens: int | None = None,
-                 codes_per_chunk: int = 1):
+                 max_batch_size: int = 8, max_new_tokens: int | None = None, codes_per_chunk: int = 1,
+                 max_prefill_tokens: int | None = 512):
         self.path = resolve_model_path(model)
         self.device = torch.device(device)
         self.model_key, shared = CsmModel.acquire(self.path, dtype, device)
         self.model = shared.model
-        self.generation_config = copy.deepcopy(self.model.generation_config)
-        self.depth_config = copy.deepcopy(self.model.depth_decoder.generation_config)
+        self.generation_config = self.model.generation_config
+        self.depth_config = self.model.depth_decoder.generation_config
+        # what transformers' CSM generate sets on the depth decoder before its first call: one frame's codebooks
+        self.depth_config.min_new_tokens = self.depth_config.max_new_tokens = self.model.config.num_codebooks - 1
         self.codebooks = self.model.config.num_codebooks
-        self.eos = self.model.config.codebook_eos_token_id
-        self.pad = self.model.config.pad_token_id
         self.max_new_tokens = max_new_tokens or self.generation_config.max_new_tokens
         self.codes_per_chunk = max(1, int(codes_per_chunk))
-        self.batcher = MicroBatcher(self._batch, max_batch_size=max_batch_size, max_wait=max_wait, name="csm")
+        self.decoding = CsmDecoding(self.model)
+        self.loop = DecodeLoop(self.decoding.step, max_batch_size=max_batch_size,
+                               max_prefill_tokens=max_prefill_tokens, name="csm")
 
     def sampler(self, settings: dict, prefix: str, config, generator: torch.Generator) -> Sampler:
         """The sampler of the backbone (``prefix`` "") or the depth decoder (``"depth_decoder_"``): the
@@ -231,62 +161,28 @@ class Talker:
                                field="input_ids")
         settings = dict(payload.get("settings") or {})
         generator = make_generator(request_seed(payload), self.device)
-        row = Utterance(ids, self.sampler(settings, "", self.generation_config, generator),
-                        self.sampler(settings, "depth_decoder_", self.depth_config, generator),
-                        payload.get("max_new_tokens") or self.max_new_tokens, asyncio.get_running_loop())
-        job = asyncio.ensure_future(self.batcher.submit(row))
-        job.add_done_callback(lambda _: row.frames.put_nowait((END, None)))
+        state = FrameRow(list(ids), self.sampler(settings, "", self.generation_config, generator),
+                         self.sampler(settings, "depth_decoder_", self.depth_config, generator),
+                         payload.get("max_new_tokens") or self.max_new_tokens)
         codes: list[list[int]] = []
         pending: list[int] = []
-        try:
-            while not isinstance(item := await row.frames.get(), tuple):
-                codes.append(item)
-                pending.extend(item)
+        async with self.loop.join(state, prompt_tokens=len(ids), memory=state.reserved) as seq:
+            async for frame in seq:
+                if frame is None:  # the end frame
+                    break
+                codes.append(frame)
+                pending.extend(frame)
                 if len(pending) >= self.codes_per_chunk * self.codebooks:
                     await ctx.emit(CodesChunk(pending, self.codebooks).to_wire())
                     pending = []
-            if item[1] is None:  # the batch ended before the row did: what it raised
-                await job
-                raise RuntimeError("the CSM batch ended without this request's end")
-        finally:
-            if not job.done():
-                job.cancel()  # the batch goes on for its other rows; this one has all its frames
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(codes),
-                 "finish_reason": "stop" if item[1] else "length"}
+                 "finish_reason": "stop" if state.ended else "length"}
         await ctx.emit(CodesChunk(pending, self.codebooks, final=True).to_wire())
         await ctx.emit(usage)
         return {"codes": codes, **usage}
 
-    # -- the batch (a worker thread) ----------------------------------------------------------------
-    def _batch(self, rows: list[Utterance]) -> list[Any]:
-        """One ``generate`` for every utterance of the batch (the prompts padded on the left)."""
-        from transformers import LogitsProcessorList
-
-        width = max(len(r.input_ids) for r in rows)
-        ids = torch.tensor([[self.pad] * (width - len(r.input_ids)) + r.input_ids for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in rows],
-                            device=self.device)
-        config = copy.deepcopy(self.generation_config)
-        config.do_sample = False  # the rows' own samplers choose (RowSampling)
-        config.max_new_tokens = max(r.max_new for r in rows)
-        streamer = FrameStreamer(rows, self.eos)
-        depth = self.model.depth_decoder
-        depth.generation_config = copy.deepcopy(self.depth_config)
-        # CSM's generate calls the depth decoder's generate once per frame with no per-call options: for this call
-        # it gets the rows' depth samplers (and greedy selection of what they chose).
-        depth.generate = functools.partial(type(depth).generate, depth, do_sample=False,
-                                           logits_processor=LogitsProcessorList([RowSampling([r.depth for r in rows])]))
-        try:
-            with torch.inference_mode():
-                self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, streamer=streamer,
-                                    logits_processor=LogitsProcessorList([RowSampling([r.backbone for r in rows])]))
-        finally:  # nothing of this call stays on the shared model
-            del depth.generate
-            depth.generation_config = copy.deepcopy(self.depth_config)
-        return [None] * len(rows)
-
     async def close(self) -> None:
-        await self.batcher.close()
+        await self.loop.close()
         await EngineRegistry.process().release(self.model_key)
 
 
