@@ -104,6 +104,21 @@ def test_the_tiny_checkpoint_keeps_the_depth_decoders_settings(csm_tiny, model):
     assert model.codec_model.config.sampling_rate / model.codec_model.config.frame_rate == 1920
 
 
+def test_the_transformers_parts_the_decode_loop_drives_are_there(model):
+    """csm/loop.py runs CSM's parts itself: a transformers release that renames or reshapes them fails here,
+    naming what moved."""
+    import inspect
+
+    for part in ("backbone_model", "depth_decoder", "embed_text_tokens", "lm_head", "codec_model"):
+        assert hasattr(model, part), f"CsmForConditionalGeneration has no {part!r} any more: see csm/loop.py"
+    assert hasattr(model.backbone_model, "embed_tokens"), "CsmBackboneModel.embed_tokens moved: see csm/loop.py"
+    backbone = set(inspect.signature(type(model.backbone_model).forward).parameters)
+    assert {"inputs_embeds", "position_ids", "cache", "attention_mask"} <= backbone, backbone
+    depth = set(inspect.signature(type(model.depth_decoder).forward).parameters)
+    assert "backbone_last_hidden_state" in depth, depth
+    assert model.config._attn_implementation in ("sdpa", "omni_rows")
+
+
 def test_the_server_is_the_checkpoints_family_pipeline(client):
     assert [m.id for m in client.models.list().data] == ["csm"]
 
