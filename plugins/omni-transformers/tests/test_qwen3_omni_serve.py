@@ -18,7 +18,7 @@ import torch
 from omni_core.encoding import from_jsonable
 from omni_core.testing.leaks import assert_nothing_left, runtime_dirs, shm_segments
 from omni_core.testing.serve import ServerProcess
-from test_serve_realtime import until_done
+from test_serve_realtime import SPEECH_WAV, until_done
 
 from omni_transformers.qwen3_omni import tiny
 
@@ -127,16 +127,22 @@ def test_an_unknown_voice_is_a_400_naming_the_voices_and_text_only_still_answers
     assert reply.choices[0].message.audio is None
 
 
-def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(server):
+def test_the_realtime_api_answers_a_spoken_turn_with_speech_then_a_text_turn(server):
     """The realtime API (mounted by the pipeline's serve block) takes the openai adapter options as they are."""
+    from omni_contrib_stages.realtime import resample, to_float
+    from omni_core.encoding import to_jsonable
+
+    with wave.open(str(SPEECH_WAV)) as w:
+        speech = w.readframes(w.getnframes())
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         async with client.realtime.connect(model=NAME, max_retries=0) as conn:
             await conn.session.update(session={"type": "realtime", "audio": {
                 "input": {"turn_detection": None}, "output": {"voice": "aiden"}}})
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": PROMPT}]})
+            for i in range(0, len(speech), 9600):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(speech[i:i + 9600]).decode())
+            await conn.input_audio_buffer.commit()
             await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
             spoken = await until_done(conn)
             await conn.conversation.item.create(item={"type": "message", "role": "user",
@@ -145,9 +151,10 @@ def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(serv
             return spoken, await until_done(conn)
 
     spoken, typed = asyncio.run(asyncio.wait_for(main(), 600))
-    user = {"role": "user", "content": [{"type": "text", "text": PROMPT}]}
-    r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": {
-        "wav_path": None, "messages": [user], "max_new_tokens": MAX_TOKENS, "speaker": "aiden"}})
+    audio = torch.from_numpy(resample(to_float(speech), 24000, 16000))
+    user = {"role": "user", "content": [{"type": "audio", "audio": audio, "sample_rate": 16000}]}
+    r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": to_jsonable({
+        "wav_path": None, "messages": [user], "max_new_tokens": MAX_TOKENS, "speaker": "aiden"})})
     assert r.status_code == 200, r.text
     want = from_jsonable(r.json()["result"], "result")
     done = spoken[-1].response
@@ -156,6 +163,7 @@ def test_the_realtime_api_answers_a_typed_turn_with_speech_then_a_text_turn(serv
     pcm = b"".join(base64.b64decode(e.delta) for e in spoken if e.type == "response.output_audio.delta")
     assert_same_pcm(pcm, want["audio"])
     assert (done.usage.input_tokens, done.usage.output_tokens) == (want["prompt_tokens"], want["completion_tokens"])
+    assert want["prompt_tokens"] > 20  # the audio's placeholders count
     done = typed[-1].response
     assert done.status == "completed" and "response.output_audio.delta" not in [e.type for e in typed]
     assert "".join(e.delta for e in typed if e.type == "response.output_text.delta")
