@@ -10,6 +10,7 @@ settings. A row ends at its end frame (all codebooks but the last ``codebook_eos
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -65,7 +66,10 @@ class CsmDecoding:
         self.backbone = model.backbone_model
         use_row_attention(self.backbone, model.config)
         self.eos = model.config.codebook_eos_token_id
-        self.depth_config = model.depth_decoder.generation_config
+        # The depth decoder's generate per step: one frame's codebooks, each row's choice (RowSampling) taken as is.
+        self.depth_config = copy.deepcopy(model.depth_decoder.generation_config)
+        self.depth_config.update(do_sample=False, min_new_tokens=model.config.num_codebooks - 1,
+                                 max_new_tokens=model.config.num_codebooks - 1)
 
     def step(self, rows) -> list[Any]:
         with torch.inference_mode():
@@ -98,7 +102,7 @@ class CsmDecoding:
         first = [s.backbone(torch.tensor([s.prompt]), logits[j:j + 1]) for j, s in enumerate(states)]
         ids = torch.tensor([[0, c] for c in first], device=hidden.device)  # 0: the slot of the backbone's state
         out = self.model.depth_decoder.generate(
-            input_ids=ids, backbone_last_hidden_state=hidden, generation_config=self.depth_config, do_sample=False,
+            input_ids=ids, backbone_last_hidden_state=hidden, generation_config=self.depth_config,
             logits_processor=LogitsProcessorList([RowSampling([s.depth for s in states])]))
         return out[:, 1:].tolist()
 

@@ -134,9 +134,7 @@ class Talker:
         self.model_key, shared = CsmModel.acquire(self.path, dtype, device)
         self.model = shared.model
         self.generation_config = self.model.generation_config
-        self.depth_config = self.model.depth_decoder.generation_config
-        # what transformers' CSM generate sets on the depth decoder before its first call: one frame's codebooks
-        self.depth_config.min_new_tokens = self.depth_config.max_new_tokens = self.model.config.num_codebooks - 1
+        self.depth_config = self.model.depth_decoder.generation_config  # read, never written
         self.codebooks = self.model.config.num_codebooks
         self.max_new_tokens = max_new_tokens or self.generation_config.max_new_tokens
         self.codes_per_chunk = max(1, int(codes_per_chunk))
