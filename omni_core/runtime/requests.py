@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from ..config.schema import PipelineConfig
+from ..errors import OmniError, StageError
 
 
 @attrs.frozen
@@ -82,6 +83,13 @@ class Request:
             return False
         return self.expected <= self.results.keys()
 
+    def error_read(self) -> None:
+        """Mark the request's error as read: a caller that left (cancelled, abandoned the stream,
+        its inputs could not be sent) gets another exception, and asyncio would log this one as
+        "never retrieved"."""
+        if self.future.done() and not self.future.cancelled():
+            self.future.exception()
+
     def value(self) -> Any:
         if self.multi:
             return {name: self.results[name] for name in sorted(self.results)}
@@ -127,6 +135,15 @@ class Graph:
                     changed = True
         return frozenset(done)
 
+    def past(self, req: Request) -> set[str]:
+        """The stages known to be done with ``req``: those that sent it a result (a stage's last
+        word) and those on the line to a stage the caller heard from (a chunk or a result).
+        Worked out only when a process dies: receiving costs nothing for it."""
+        out = set(req.results)
+        for stage in (*req.heard, *req.results):
+            out.update(self.passed.get(stage, ()))
+        return out
+
     def mark_dropped(self, req: Request, stage: str, targets: Iterable[str]) -> None:
         """Record that ``stage`` routed ``req`` away from ``targets`` and update ``req.dead``."""
         req.last_dropper = stage
@@ -143,3 +160,11 @@ class Graph:
                 req.dead.add(node)
                 todo.extend(self.succ[node])
         req.expected -= req.dead
+
+
+def unsent(exc: BaseException, entry: str, request_id: str) -> BaseException:
+    """The error a request ends with when its inputs could not be sent to stage ``entry``: an
+    omni error as it is, anything else as a ``StageError`` saying so."""
+    if isinstance(exc, OmniError):
+        return exc
+    return StageError(f"cannot send the inputs: {exc}", stage=entry, request_id=request_id, error_type=type(exc).__name__)
