@@ -153,6 +153,21 @@ def test_language_and_prompt_go_to_generate(client, reference):
     assert reference(data, language="fr")[1] != reference(data, language="en")[1]
 
 
+def test_timestamps_are_generates_and_make_the_segments(server, reference, whisper_tiny):
+    from transformers import WhisperTokenizer
+
+    tokenizer = WhisperTokenizer.from_pretrained(whisper_tiny)
+    for seed in (1, 2):
+        data = clip(2.0, seed)
+        tokens, text = reference(data, language="en", return_timestamps=True)
+        result = native(server, data, language="en", timestamps=True)
+        assert result["token_ids"] == tokens and result["text"] == text
+        offsets = tokenizer.decode(tokens, output_offsets=True)["offsets"]
+        assert result["segments"] == [{"start": o["timestamp"][0], "end": o["timestamp"][1], "text": o["text"]}
+                                      for o in offsets if o["timestamp"][1] is not None]
+    assert any(t > tokenizer.convert_tokens_to_ids("<|notimestamps|>") for t in tokens)  # timestamps were made
+
+
 def test_streamed_deltas_join_to_the_text(client, reference):
     data = clip(3.0, 3)
     _, text = reference(data)

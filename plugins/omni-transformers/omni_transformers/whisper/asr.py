@@ -11,7 +11,9 @@
 Per request: ``audio`` (a 1-D float tensor with ``sample_rate``, a file path or an encoded file's bytes; at most
 30 s: a longer clip is refused, not cut), ``language`` (a code such as ``en`` or a name such as ``english``;
 absent: detected per clip as ``generate`` detects it), ``prompt`` (text the transcript continues), ``temperature``
-(0: greedy; above 0: sampled from the request's own generator, ``seed``), ``max_new_tokens``.
+(0: greedy; above 0: sampled from the request's own generator, ``seed``), ``max_new_tokens``, ``timestamps``
+(true: Whisper's timestamp tokens are decoded, as ``generate(return_timestamps=True)`` does, and the result's
+``segments`` are ``[{start, end, text}]``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Transcriber:
         # The decoder prompt generate builds: <|startoftranscript|>, the language, the task, <|notimestamps|>.
         task = (getattr(gen, "task_to_id", None) or {}).get("transcribe")
         self.init = [gen.decoder_start_token_id] + ([-1] if lang_ids else []) + ([task] if task is not None else [])
+        self.init_timestamps = list(self.init)  # with timestamps the prompt ends at the task
         self.init.append(gen.no_timestamps_token_id)
         self.decoding = WhisperDecoding(self.model, gen, language_slot=1 if lang_ids else None)
         self.encoder = MicroBatcher(self._encode, max_batch_size=max_batch_size, max_wait=max_wait,
@@ -84,8 +87,9 @@ class Transcriber:
                                field="language")
         return code
 
-    def request(self, payload: dict, ctx: Any) -> tuple[Any, list[int], bool, Sampler, int]:
-        """The request's samples, decoder prompt, whether to detect the language, sampler and token cap."""
+    def request(self, payload: dict, ctx: Any) -> tuple[Any, list[int], bool, Sampler, int, Any]:
+        """The request's samples, decoder prompt, whether to detect the language, sampler, token cap and timestamp
+        rules (None without timestamps)."""
         origin = getattr(ctx, "from_network", None)
         samples = load_audio(payload.get("audio"), "audio", sample_rate=payload.get("sample_rate"),
                              target_rate=RATE, origin=origin)
@@ -102,20 +106,28 @@ class Transcriber:
         max_new = payload.get("max_new_tokens") or self.max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new!r}", field="max_new_tokens")
+        timestamps = payload.get("timestamps", False)
+        if not isinstance(timestamps, bool):
+            raise InvalidInput(f"timestamps must be true or false, got {timestamps!r}", field="timestamps")
         language = self._language(payload.get("language"))
-        prompt = list(self.init)
+        prompt = list(self.init_timestamps if timestamps else self.init)
         if language is not None:
             prompt[1] = self.lang_ids[language]
         if text:
             prompt = self.processor.get_prompt_ids(text).tolist() + prompt
         sampler = Sampler(do_sample=temperature > 0, temperature=temperature or None,
                           generator=make_generator(request_seed(payload), self.device), device=self.device)
-        return samples, prompt, language is None and -1 in prompt, sampler, max_new
+        stamps = None
+        if timestamps:
+            from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+            stamps = WhisperTimeStampLogitsProcessor(self.generation_config, begin_index=len(prompt))
+        return samples, prompt, language is None and -1 in prompt, sampler, max_new, stamps
 
     async def __call__(self, payload: dict, ctx) -> dict:
-        samples, prompt, detect, sampler, max_new = self.request(payload, ctx)
+        samples, prompt, detect, sampler, max_new, stamps = self.request(payload, ctx)
         encoded = await self.encoder.submit(samples)
-        state = DecodeRow(encoded, prompt, detect, sampler, max_new)
+        state = DecodeRow(encoded, prompt, detect, sampler, max_new, stamps)
         decoder = TextDecoder(self.tokenizer)
         async with self.loop.join(state, prompt_tokens=len(prompt), memory=state.reserved) as seq:
             async for token in seq:
@@ -125,8 +137,17 @@ class Transcriber:
             await ctx.emit(TextChunk(tail).to_wire())
         tokens = [t for t in state.tokens if t != self.eos]
         language = self.language_of_id.get(state.prompt[1]) if self.decoding.language_slot is not None else None
-        return {"text": self.tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
-                "language": language, "duration": samples.size / RATE}
+        result = {"text": self.tokenizer.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
+                  "language": language, "duration": samples.size / RATE}
+        if stamps is not None:
+            result["segments"] = self.segments(tokens)
+        return result
+
+    def segments(self, tokens: list[int]) -> list[dict]:
+        """``[{start, end, text}]`` (seconds) from a transcript's timestamp tokens, as the tokenizer reads them."""
+        offsets = self.tokenizer.decode(tokens, output_offsets=True)["offsets"]
+        return [{"start": float(o["timestamp"][0]), "end": float(o["timestamp"][1]), "text": o["text"]}
+                for o in offsets if o["timestamp"][1] is not None]
 
     # -- the encoder batch (a worker thread) ------------------------------------------------------------
     def _encode(self, clips: list) -> list[torch.Tensor]:

@@ -52,9 +52,10 @@ class DecodeRow:
     """One transcription in the loop: its encoder states, prompt, caches, sampler and tokens."""
 
     __slots__ = ("encoder", "prompt", "detect", "cache", "kv", "cross_keys", "cross_values", "sampler", "tokens",
-                 "max_new", "ids")
+                 "max_new", "ids", "stamps")
 
-    def __init__(self, encoder: torch.Tensor, prompt: list[int], detect: bool, sampler: Sampler, max_new: int):
+    def __init__(self, encoder: torch.Tensor, prompt: list[int], detect: bool, sampler: Sampler, max_new: int,
+                 stamps: Any = None):
         self.encoder = encoder  # [1, 1500, d]
         self.prompt = prompt  # the decoder prompt (the language slot filled in prefill when ``detect``)
         self.detect = detect
@@ -66,6 +67,7 @@ class DecodeRow:
         self.tokens: list[int] = []
         self.max_new = max_new
         self.ids: list[int] = []
+        self.stamps = stamps  # with timestamps: transformers' WhisperTimeStampLogitsProcessor for this row
 
     @property
     def reserved(self) -> int:
@@ -117,13 +119,17 @@ class WhisperDecoding:
 
     def choose(self, state: DecodeRow, logits: torch.Tensor) -> int:
         """The row's next token from its logits [1, V] as ``generate`` chooses it: the suppressed tokens (and, at
-        the first generated position, the begin-suppressed ones) never, then the row's sampler."""
+        the first generated position, the begin-suppressed ones) never, the timestamp rules when it asked for
+        timestamps, then the row's sampler."""
         scores = logits.float().clone()
         if self.suppress:
             scores[:, self.suppress] = -torch.inf
         if not state.tokens and self.begin_suppress:
             scores[:, self.begin_suppress] = -torch.inf
-        return state.sampler(torch.tensor([state.ids]), scores)
+        ids = torch.tensor([state.ids])
+        if state.stamps is not None:  # after the suppressions, as in generate's list of processors
+            scores = state.stamps(ids, scores)
+        return state.sampler(ids, scores)
 
     def decode(self, rows) -> list[torch.Tensor]:
         """One forward for every decoding row: its last token at its own position."""
