@@ -87,14 +87,13 @@ def omni_register_pipelines(register):
              description="qwen2_5_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)")
     register("qwen2_5_omni.split.gpu", "omni_transformers:pipelines/qwen2_5_omni_split_gpu.yaml",
              description="qwen2_5_omni.split placed on the GPUs there are (spread)")
-    register("qwen3_omni", "omni_transformers:pipelines/qwen3_omni.yaml",
-             description="Qwen3-Omni: processor + MoE thinker in one process, talker + code2wav in another")
-    register("qwen3_omni.split", "omni_transformers:pipelines/qwen3_omni_split.yaml",
-             description="Qwen3-Omni: processor, thinker, talker and code2wav in a process each")
-    register("qwen3_omni.gpu", "omni_transformers:pipelines/qwen3_omni_gpu.yaml",
-             description="qwen3_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)")
-    register("qwen3_omni.split.gpu", "omni_transformers:pipelines/qwen3_omni_split_gpu.yaml",
-             description="qwen3_omni.split placed on the GPUs there are (spread)")
+    for name, what in (
+            ("qwen3_omni", "Qwen3-Omni: processor, audio encoder + MoE thinker in one process, talker + code2wav in "
+                           "another"),
+            ("qwen3_omni.split", "Qwen3-Omni: processor, audio encoder, thinker, talker and code2wav in a process each"),
+            ("qwen3_omni.gpu", "qwen3_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)"),
+            ("qwen3_omni.split.gpu", "qwen3_omni.split placed on the GPUs there are (spread)")):
+        register(name, f"omni_transformers:pipelines/{name.replace('.', '_')}.yaml", description=what)
     register("whisper", "omni_transformers:pipelines/whisper.yaml",
              description="Whisper speech recognition (served as OpenAI's /v1/audio/transcriptions)")
     register("csm", "omni_transformers:pipelines/csm.yaml",

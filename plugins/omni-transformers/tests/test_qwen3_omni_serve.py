@@ -18,7 +18,7 @@ import torch
 from omni_core.encoding import from_jsonable
 from omni_core.testing.leaks import assert_nothing_left, runtime_dirs, shm_segments
 from omni_core.testing.serve import ServerProcess
-from test_serve_realtime import SPEECH_WAV, until_done
+from test_serve_realtime import SPEECH_WAV, spoken_then_typed
 
 from omni_transformers.qwen3_omni import tiny
 
@@ -135,22 +135,8 @@ def test_the_realtime_api_answers_a_spoken_turn_with_speech_then_a_text_turn(ser
     with wave.open(str(SPEECH_WAV)) as w:
         speech = w.readframes(w.getnframes())
 
-    async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        async with client.realtime.connect(model=NAME, max_retries=0) as conn:
-            await conn.session.update(session={"type": "realtime", "audio": {
-                "input": {"turn_detection": None}, "output": {"voice": "aiden"}}})
-            for i in range(0, len(speech), 9600):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(speech[i:i + 9600]).decode())
-            await conn.input_audio_buffer.commit()
-            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-            spoken = await until_done(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "again"}]})
-            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": MAX_TOKENS})
-            return spoken, await until_done(conn)
-
-    spoken, typed = asyncio.run(asyncio.wait_for(main(), 600))
+    spoken, typed = asyncio.run(asyncio.wait_for(spoken_then_typed(server.url, NAME, "aiden", speech, MAX_TOKENS),
+                                                 600))
     audio = torch.from_numpy(resample(to_float(speech), 24000, 16000))
     user = {"role": "user", "content": [{"type": "audio", "audio": audio, "sample_rate": 16000}]}
     r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": to_jsonable({

@@ -55,28 +55,31 @@ async def until_done(conn) -> list:
     raise AssertionError("closed before response.done")
 
 
+async def spoken_then_typed(url: str, model: str, voice: str, speech: bytes, max_tokens: int) -> tuple[list, list]:
+    """Over the realtime API with the official SDK: a spoken turn (``speech``, PCM16 at 24 kHz, through the input
+    audio buffer) answered in ``voice``, then a typed turn "again" answered with text only; each turn's events."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    async with client.realtime.connect(model=model, max_retries=0) as conn:
+        await conn.session.update(session={"type": "realtime", "audio": {
+            "input": {"turn_detection": None}, "output": {"voice": voice}}})
+        for i in range(0, len(speech), 9600):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(speech[i:i + 9600]).decode())
+        await conn.input_audio_buffer.commit()
+        await conn.response.create(response={"max_output_tokens": max_tokens})
+        spoken = await until_done(conn)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "again"}]})
+        await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": max_tokens})
+        return spoken, await until_done(conn)
+
+
 def test_a_spoken_turn_then_a_text_turn_equal_the_pipelines_answers(server):
     from omni_contrib_stages.realtime import resample, to_float
 
     with wave.open(str(SPEECH_WAV)) as w:
         speech = w.readframes(w.getnframes())
-
-    async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        async with client.realtime.connect(model="qwen2_5_omni", max_retries=0) as conn:
-            await conn.session.update(session={"type": "realtime", "audio": {
-                "input": {"turn_detection": None}, "output": {"voice": "Ethan"}}})
-            for i in range(0, len(speech), 9600):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(speech[i:i + 9600]).decode())
-            await conn.input_audio_buffer.commit()
-            await conn.response.create(response={"max_output_tokens": MAX_TOKENS})
-            spoken = await until_done(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "again"}]})
-            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": MAX_TOKENS})
-            return spoken, await until_done(conn)
-
-    spoken, typed = asyncio.run(asyncio.wait_for(main(), 600))
+    spoken, typed = asyncio.run(asyncio.wait_for(spoken_then_typed(server.url, "qwen2_5_omni", "Ethan", speech,
+                                                                   MAX_TOKENS), 600))
     audio = torch.from_numpy(resample(to_float(speech), 24000, 16000))
     user = {"role": "user", "content": [{"type": "audio", "audio": audio, "sample_rate": 16000}]}
 

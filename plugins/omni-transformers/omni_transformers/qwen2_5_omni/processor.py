@@ -82,6 +82,9 @@ class Processor:
     ``pixel_values`` ([patches, C·T·P·P]) and ``image_grid_thw`` (one ``[t, h, w]`` per image).
     """
 
+    #: The multimodal processor's class (built from the image processor, the feature extractor, the tokenizer).
+    processor_class = staticmethod(omni_processor_class)
+
     def __init__(self, model: str | None = None, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
                  chat_template: bool = True):
         from transformers import AutoTokenizer
@@ -104,7 +107,7 @@ class Processor:
             if not (self.path / "preprocessor_config.json").is_file():
                 raise ValueError(f"{self.path} has no preprocessor_config.json: audio and image inputs need the "
                                  "checkpoint's feature extractor and image processor settings")
-            self._mm = omni_processor_class()(
+            self._mm = type(self).processor_class()(
                 Qwen2VLImageProcessorPil.from_pretrained(self.path, local_files_only=True),
                 WhisperFeatureExtractor.from_pretrained(self.path, local_files_only=True),
                 self.tokenizer,

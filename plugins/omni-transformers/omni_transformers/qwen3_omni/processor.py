@@ -38,24 +38,10 @@ class Processor(QwenProcessor):
     """As the Qwen2.5-Omni processor (same request keys and checks), with no default system prompt (Qwen3-Omni
     needs none), generate's default voice (``ethan``), text and audio parts."""
 
+    processor_class = staticmethod(qwen3_processor_class)
+
     def __init__(self, model: str | None = None, system_prompt: str | None = None, chat_template: bool = True):
         super().__init__(model, system_prompt=system_prompt, chat_template=chat_template)
-
-    @property
-    def mm(self):
-        if self._mm is None:
-            from transformers import WhisperFeatureExtractor
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-                Qwen2VLImageProcessorPil,
-            )
-
-            if not (self.path / "preprocessor_config.json").is_file():
-                raise ValueError(f"{self.path} has no preprocessor_config.json: audio inputs need the checkpoint's "
-                                 "feature extractor and image processor settings")
-            self._mm = qwen3_processor_class()(
-                Qwen2VLImageProcessorPil.from_pretrained(self.path, local_files_only=True),
-                WhisperFeatureExtractor.from_pretrained(self.path, local_files_only=True), self.tokenizer)
-        return self._mm
 
     def __call__(self, payload, ctx) -> dict:
         out = super().__call__(payload, ctx)
