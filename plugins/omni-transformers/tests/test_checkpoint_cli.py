@@ -49,8 +49,8 @@ def test_a_folder_no_family_serves_is_one_line_naming_its_model_type_and_the_ins
         line = [x for x in out.stderr.splitlines() if "model_type" in x]
         assert len(line) == 1, out.stderr
         assert "'mamba'" in line[0] and "installed families: " in line[0]
-            assert all(f in line[0] for f in ("qwen2_5_omni (qwen2_5_omni)", "qwen3_omni (qwen3_omni_moe)", "whisper (whisper)",
-                                              "csm (csm)")), line[0]
+        families = ("qwen2_5_omni (qwen2_5_omni)", "qwen3_omni (qwen3_omni_moe)", "whisper (whisper)", "csm (csm)")
+        assert all(family in line[0] for family in families), line[0]
     empty = omni("plan", str(tmp_path / "mamba" / ".."), cwd=tmp_path)
     assert empty.returncode != 0 and "no config.json in it" in empty.stderr
 
