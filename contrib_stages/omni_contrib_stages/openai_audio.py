@@ -25,6 +25,8 @@ pipeline's inputs and how its result becomes the answer; every key is optional::
             prompt_key: null            # `prompt` goes here (null: refused unless absent or empty)
             temperature_key: null       # `temperature` goes here (null: refused unless absent or 0)
             text_joiner: ""             # put between two streamed pieces of text
+            timestamps_key: timestamps  # verbose_json, srt, vtt: inputs[timestamps_key] = true, so the stage makes
+                                        #   its segments (null: not passed; Whisper's stage reads `timestamps`)
             segments_field: segments    # result[segments_field]: [{start, end, text}] for verbose_json, srt, vtt
             language_field: language    # result[language_field]: the language for verbose_json
             # tts
@@ -80,6 +82,9 @@ AUDIO_OPTIONS: dict[str, Option] = {
     "temperature_key": Option("str", None, "asr: `temperature` goes to inputs[temperature_key] (null: refused "
                               "unless absent or 0)", nullable=True),
     "text_joiner": Option("str", "", "asr: put between two streamed pieces of text"),
+    "timestamps_key": Option("str", "timestamps", "asr: for response_format verbose_json, srt and vtt, true goes "
+                             "to inputs[timestamps_key] so the stage makes the result's segments (null: not "
+                             "passed; the default is the input Whisper's stage reads)", nullable=True),
     "segments_field": Option("str", "segments", "asr: result[segments_field] is a list of {start, end, text} "
                              "(seconds) for verbose_json, srt and vtt (absent: one segment, the whole file)"),
     "language_field": Option("str", "language", "asr: result[language_field] is the language verbose_json "
@@ -98,6 +103,8 @@ KINDS = ("chat", "asr", "tts")
 TRANSCRIPTION_FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", "stream",
                         "timestamp_granularities[]", "include[]", "chunking_strategy")
 TRANSCRIPTION_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+#: The formats that carry segments: for them the stage is asked for timestamps (``timestamps_key``).
+TIMESTAMPED_FORMATS = ("srt", "vtt", "verbose_json")
 SPEECH_FIELDS = ("model", "input", "voice", "response_format", "speed", "instructions", "stream_format")
 #: Speech formats answered as they are made, and those encoded whole with soundfile (when it can).
 STREAMED_FORMATS = ("wav", "pcm")
@@ -419,7 +426,8 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
     log = get_logger(component="openai", pipeline=model)
     params = {audio["audio_key"]: "file", audio["language_key"]: "language", audio["prompt_key"]: "prompt",
               audio["temperature_key"]: "temperature", audio["input_key"]: "input", opts["voice_key"]: "voice",
-              audio["speed_key"]: "speed", audio["instructions_key"]: "instructions"}
+              audio["speed_key"]: "speed", audio["instructions_key"]: "instructions",
+              audio["timestamps_key"]: "response_format"}
 
     def error(status: int, message: str, param: str | None = None, code: str | None = None,
               headers: dict[str, str] | None = None) -> JSONResponse:
@@ -539,6 +547,8 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
                 raise Refused(f"'{name}' is not supported by this model (serve.options.openai.audio.{key} is "
                               "not set); leave it out", name)
             inputs[audio[key]] = float(value) if name == "temperature" else value
+        if fmt in TIMESTAMPED_FORMATS and audio["timestamps_key"] is not None:
+            inputs[audio["timestamps_key"]] = True  # the stage's own segments, where it makes them
         data = await upload.read()
         samples, rate = read_audio(data, upload.filename, audio["max_audio_seconds"], audio["input_sample_rate"])
         import torch

@@ -2,7 +2,8 @@
 
 ``Transcriber`` "transcribes" by a deterministic function of the audio: one word per 0.1 s block,
 the block's loudness as a letter (``a``: silence ... ``z``: full scale), streamed one word at a
-time, with a segment per word; :func:`transcribe` is the same function for the tests. A prompt is
+time, with a segment per word when the input ``timestamps`` is true (the route asks for verbose_json,
+srt and vtt); :func:`transcribe` is the same function for the tests. A prompt is
 the first piece of the text; one starting with ``"hold"`` makes it wait after that piece until the
 test creates a file of that name in ``$AUDIO_STAGES_HOLD``.
 
@@ -50,9 +51,11 @@ class Transcriber:
             await ctx.emit({"text": piece})
             if index == 0 and prefix.startswith("hold"):
                 await hold(prefix)
-        return {"text": " ".join(pieces), "language": language,
-                "segments": [{"start": s, "end": e, "text": w, "no_speech_prob": 0.5} for s, e, w in words],
-                "prompt_tokens": len(words), "completion_tokens": len(words)}
+        result = {"text": " ".join(pieces), "language": language, "prompt_tokens": len(words),
+                  "completion_tokens": len(words)}
+        if inputs.get("timestamps") is True:  # segments only when asked for, as Whisper's stage
+            result["segments"] = [{"start": s, "end": e, "text": w, "no_speech_prob": 0.5} for s, e, w in words]
+        return result
 
 
 def speak(text: str, samples_per_char: int, speed: float = 1.0, rate: int = RATE) -> list[np.ndarray]:

@@ -461,7 +461,8 @@ def test_the_docs_examples_run_as_written(asr, tts, tmp_path):
     words = len(expected_words(data))
     lines = asr.printed.splitlines()
     assert lines[:3] == [text, text, f"[{2 * words} tokens]"]
-    assert lines[3:6] == ["1", "00:00:00,000 --> 00:00:00,100", text.split()[0]] and len(lines) == 3 + 4 * words
+    assert lines[3:6] == ["1", "00:00:00,000 --> 00:00:00,100", text.split()[0]] and len(lines) == 3 + 5 * words
+    assert lines[3 + 4 * words:] == [f"{s:.2f}-{e:.2f} s: {w}" for s, e, w in expected_words(data)]  # verbose_json
     assert tts.printed == f"hello.wav written; {len(expected_pcm('hello omni')) // 2} samples streamed\n"
     assert (tmp_path / "hello.wav").read_bytes()[44:] == expected_pcm("hello omni")
     (tmp_path / "hello.wav").unlink()

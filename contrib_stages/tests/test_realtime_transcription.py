@@ -38,6 +38,7 @@ serve:
       audio:
         text_joiner: " "
         max_audio_seconds: 30
+        timestamps_key: null  # never asked for segments
 """
 
 
@@ -116,6 +117,20 @@ def test_each_committed_turn_is_transcribed_by_the_asr_pipeline(server):
         assert done.item_id == item_id and done.content_index == 0
         assert done.transcript == want == "".join(d.delta for d in deltas)
         assert done.usage.model_dump() == answer.usage.model_dump()  # the same usage as the route's
+
+
+def test_without_timestamps_key_verbose_json_has_one_segment_of_the_whole_file(server):
+    """A pipeline that makes no segments (this one is never asked: ``timestamps_key: null``) keeps one segment,
+    the whole file, in verbose_json, srt and vtt."""
+    pcm = speech()
+    seconds = len(pcm) / 2 / 24000
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+        verbose = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)),
+                                                  response_format="verbose_json")
+        srt = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)), response_format="srt")
+    assert verbose.duration == pytest.approx(seconds, abs=1e-3)
+    assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, verbose.duration, verbose.text)]
+    assert srt.startswith("1\n00:00:00,000 --> ") and srt.count(" --> ") == 1
 
 
 def test_a_model_that_is_not_an_asr_pipeline_is_refused_naming_those_that_are(server):

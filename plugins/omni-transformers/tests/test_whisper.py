@@ -1,6 +1,7 @@
 """The whisper family: its tiny checkpoint, and ``omni serve`` on that checkpoint folder answering OpenAI's
 ``POST /v1/audio/transcriptions`` through the official SDK with the tokens and text of transformers'
-``model.generate`` on the processor's features of the same file; every response format; streamed deltas that join
+``model.generate`` on the processor's features of the same file; every response format (verbose_json, srt and vtt
+with the stage's timestamped segments); streamed deltas that join
 to the text; 16 concurrent uploads each equal to its lone result; bad uploads refused with OpenAI's error shape."""
 
 from __future__ import annotations
@@ -133,15 +134,35 @@ def test_a_transcription_equals_generate_in_every_format(client, server, referen
     assert answer.usage.type == "duration" and answer.usage.seconds == 2
     plain = client.audio.transcriptions.create(model="whisper", file=("a.wav", data), response_format="text")
     assert plain == text
+
+
+def test_verbose_json_srt_and_vtt_carry_the_stages_segments(client, server, reference):
+    """verbose_json, srt and vtt ask the stage for timestamps (``audio.timestamps_key``): the text is that of
+    ``generate(return_timestamps=True)`` and the segments are the stage's own, not one of the whole file."""
+    data = clip(2.0, 2)  # the tiny model makes three segments of this clip
+    tokens, text = reference(data, return_timestamps=True)
+    result = native(server, data, timestamps=True)
+    assert result["token_ids"] == tokens and result["text"] == text
+    segments = result["segments"]
+    assert len(segments) > 1
     verbose = client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
                                                  response_format="verbose_json",
                                                  timestamp_granularities=["segment"])
     assert verbose.text == text and verbose.language == result["language"] and verbose.duration == 2.0
-    assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, 2.0, text)]
+    assert [(s.id, s.start, s.end, s.text) for s in verbose.segments] == [
+        (i, s["start"], s["end"], s["text"]) for i, s in enumerate(segments)]
+
+    def clock(seconds: float, sep: str) -> str:
+        ms = round(seconds * 1000)
+        return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+
     srt = client.audio.transcriptions.create(model="whisper", file=("a.wav", data), response_format="srt")
-    assert srt == f"1\n00:00:00,000 --> 00:00:02,000\n{text.strip()}\n\n"
+    assert srt == "".join(f"{i}\n{clock(s['start'], ',')} --> {clock(s['end'], ',')}\n{s['text'].strip()}\n\n"
+                          for i, s in enumerate(segments, 1))
     vtt = client.audio.transcriptions.create(model="whisper", file=("a.wav", data), response_format="vtt")
-    assert vtt == f"WEBVTT\n\n00:00:00.000 --> 00:00:02.000\n{text.strip()}\n\n"
+    assert vtt == "WEBVTT\n\n" + "".join(f"{clock(s['start'], '.')} --> {clock(s['end'], '.')}\n{s['text'].strip()}\n\n"
+                                         for s in segments)
+    assert client.audio.transcriptions.create(model="whisper", file=("a.wav", data)).text == reference(data)[1]
 
 
 def test_language_and_prompt_go_to_generate(client, reference):
