@@ -6,7 +6,7 @@ names the internals this interpreter lacks; tests/test_compat.py fails on any, s
 Python release that drops one is noticed by the test suite, not by a user.
 
 - ``asyncio.tasks._enter_task`` / ``_leave_task``: a stage call's first step runs inline, with a
-  stand-in as the current task (runtime/stage.py). Fallback: ``EAGER_START`` is False and every
+  stand-in as the current task (runtime/eager.py). Fallback: ``EAGER_START`` is False and every
   call gets its task at once (correct, one loop turn slower).
 - the event loop's ``_ready`` queue: the outbox sends at once when no other callback is ready
   (runtime/channel.py). Fallback: ``ready_queue`` returns None and every post waits for the end

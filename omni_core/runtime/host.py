@@ -32,7 +32,8 @@ from ..relay.payload import pack
 from . import wire
 from .endpoint import Endpoint
 from .routing import COORDINATOR, Router
-from .stage import StagePort, StageRuntime
+from .stage import StageRuntime
+from .stage_port import StagePort
 from .types import CALLER_RELAY, Bootstrap, Inbound, StageFunctions, WiringError
 
 __all__ = ["Bootstrap", "Host"]

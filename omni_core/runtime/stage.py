@@ -14,34 +14,26 @@ buffers, a payload wait) is freed when it ends, however it ends.
 from __future__ import annotations
 
 import asyncio
-import collections
-import collections.abc
-import contextlib
-import contextvars
 import inspect
-import sys
-from collections.abc import Awaitable, Callable, Container, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter
 from typing import Any
 
-import attrs
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from .. import metrics, tracing
-from .._compat import EAGER_START, enter_task, leave_task
 from ..config.schema import StageConfig
 from ..errors import PluginError
-from ..logs import get_logger
 from .context import PENDING, StageContext
-from .flow import Grant, StreamBuffer, StreamClosed
-from .ordered import Resume
-from .types import Inbound, StageFunctions, WiringError, chosen_names
+from .eager import Starting, start_call
+from .fan_in import FanIn
+from .flow import Grant, StreamClosed
+from .inflow import Inflow
+from .slots import Slots
+from .stage_port import StagePort
+from .types import Inbound, StageFunctions, WiringError
 
 __all__ = ["Inbound", "StageFunctions", "StagePort", "StageRuntime", "WiringError"]
-
-log = get_logger()
-
 
 def _request_id_var() -> Any:
     """structlog's context variable of ``request_id`` (what ``bind_contextvars(request_id=...)``
@@ -58,143 +50,6 @@ class StageCancelled(Exception):
     """The stage's own code raised ``asyncio.CancelledError`` (not an abort of the request)."""
 
 
-@attrs.define
-class _FanIn:
-    arrived: dict[str, Any] = attrs.Factory(dict)
-    needed: list[str] | None = None
-    started: bool = False
-    inbound: Inbound = attrs.Factory(Inbound)
-
-
-# -- eager start ---------------------------------------------------------------------------------
-#
-# A stage call runs at once, inside the callback that received its payload, up to its first
-# suspension (what Python 3.12's eager tasks do); only a call that suspends gets a task, which
-# resumes it from there. An ``Echo``-like stage so finishes its request, send included, without a
-# task and a loop turn. The same mechanism serves every Python version (3.10 up): the first step
-# runs in a fresh copy of the context, as a task's would, and ``asyncio.current_task()`` returns a
-# stand-in for the task to come, so ``asyncio.timeout()`` and ``TaskGroup`` work from the first
-# line; what is asked of the stand-in (a cancellation) passes to the task once there is one.
-# Making the stand-in current uses asyncio internals (omni_core/_compat.py); on a Python without
-# them, every call gets its task at once.
-
-_current_task = asyncio.current_task
-_TASK_CONTEXT = sys.version_info >= (3, 11)  # create_task(context=...)
-
-
-class _Starting:
-    """Stands for a stage call's task while its first step runs, before it has one."""
-
-    __slots__ = ("_loop", "_cancels", "task")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._cancels = 0
-        self.task: asyncio.Task | None = None
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def cancel(self, msg: Any = None) -> bool:
-        if self.task is not None:
-            return self.task.cancel(msg)
-        self._cancels += 1  # raised at the call's first suspension, as for a running task
-        return True
-
-    def cancelling(self) -> int:
-        # Task.cancelling/uncancel are 3.11+, as are their callers (asyncio.timeout, TaskGroup).
-        return self.task.cancelling() if self.task is not None else self._cancels  # type: ignore[attr-defined]
-
-    def uncancel(self) -> int:
-        if self.task is not None:
-            return self.task.uncancel()  # type: ignore[attr-defined]
-        if self._cancels:
-            self._cancels -= 1
-        return self._cancels
-
-    def done(self) -> bool:
-        return self.task is not None and self.task.done()
-
-    def cancelled(self) -> bool:
-        return self.task is not None and self.task.cancelled()
-
-    def get_name(self) -> str:
-        return "omni-stage-call" if self.task is None else self.task.get_name()
-
-
-def _first_step(coro: collections.abc.Coroutine, stand_in: _Starting, loop: asyncio.AbstractEventLoop) -> Any:
-    """Run ``coro`` up to its first suspension with ``stand_in`` as the current task."""
-    outer = _current_task(loop)
-    if outer is not None:
-        leave_task(loop, outer)
-    enter_task(loop, stand_in)
-    try:
-        return coro.send(None)
-    finally:
-        leave_task(loop, stand_in)
-        if outer is not None:
-            enter_task(loop, outer)
-
-
-class _Slots:
-    """The stage's concurrency limit: a semaphore whose uncontended acquire is inline in the
-    call (``free``, ``waiters``), first come first served."""
-
-    __slots__ = ("free", "waiters")
-
-    def __init__(self, n: int):
-        self.free = n
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
-
-    async def acquire(self) -> None:
-        if self.free > 0 and not self.waiters:
-            self.free -= 1
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        try:
-            await fut  # the slot is handed over by release()
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed a slot, then cancelled: pass it on
-                self.release()
-            else:
-                with contextlib.suppress(ValueError):
-                    self.waiters.remove(fut)
-            raise
-
-    def release(self) -> None:
-        waiters = self.waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.free += 1
-
-
-def _is_async_callable(obj: Any) -> bool:
-    return inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(type(obj).__call__)
-
-
-@attrs.frozen
-class StagePort:
-    """What a stage uses of its process, handed to it by the host: fail a request (``fail(rid,
-    stage, exc)``), whether a request ended (``is_ended``), free a request's relay memory
-    (``release``), copy what views relay memory out of a result (``copy_out``), the trace
-    context of requests (``traces``, read only), the router's ``finish`` (a call's result
-    goes on) and ``emit`` (a stream chunk goes on), and the requests that came over the network
-    (``networked``, read only: ``StageContext.from_network``)."""
-
-    fail: Callable[[int, str, BaseException], None]
-    is_ended: Callable[[int], bool]
-    release: Callable[[int], None]
-    copy_out: Callable[[Any, set], Any]
-    traces: Mapping[int, str]
-    finish: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
-    emit: Callable[[StageRuntime, int, str, Any], Awaitable[None]]
-    networked: Container[int] = frozenset()
-
-
 class StageRuntime:
     """Serves one stage of one process. Created by the host after the factory ran;
     ``streaming_sources``: the stages that stream to this one."""
@@ -208,23 +63,21 @@ class StageRuntime:
         self.name = cfg.name
         self.obj = obj
         self.fns = fns
-        self.is_async = _is_async_callable(obj)
-        self.stream_buffer = stream_buffer
+        self.is_async = inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(type(obj).__call__)
         self.meter = metrics.stage_meter(cfg.name)
         self.follower = follower
         # Tensor-parallel ranks run one call at a time, in the same order, so collectives match.
         concurrency = 1 if cfg.tp_size > 1 else cfg.max_concurrency
-        self.slots = _Slots(concurrency)
+        self.slots = Slots(concurrency)
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
-        self.running: dict[int, asyncio.Task | _Starting] = {}  # a stand-in until the call suspends
+        self.running: dict[int, asyncio.Task | Starting] = {}  # a stand-in until the call suspends
         self.contexts: dict[int, StageContext] = {}
         self.inbounds: dict[int, Inbound] = {}  # what each running call received
-        self.fan_in: dict[int, _FanIn] = {}
-        self.streams: dict[int, dict[str, StreamBuffer]] = {}
+        self.fan_in = FanIn(cfg, fns)
+        self.streams = Inflow(cfg.name, streaming_sources, stream_buffer, follower=follower)
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
-        self.streaming_sources = streaming_sources
         #: can_accept_stream_before_payload: the call starts on the first chunk if it comes first
-        self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(self.streaming_sources)
+        self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(streaming_sources)
         #: calls started on a chunk whose payload has not come: their context, None once the
         #: call ended (a payload that comes then is dropped)
         self.awaiting: dict[int, StageContext | None] = {}
@@ -247,30 +100,13 @@ class StageRuntime:
         if not self.cfg.wait_for:
             self._arrived(rid, request_id, src, payload, inbound)
             return
-        state = self.fan_in.setdefault(rid, _FanIn())
-        if state.started:  # a source outside the chosen wait_for subset: not needed any more
-            inbound.release()
-            return
-        state.arrived[src] = payload
-        state.inbound.merge(inbound)
         try:
-            if self.fns.wait_for is not None and state.needed is None:
-                state.needed = self._wait_for_subset(request_id, src, payload)
-            needed = state.needed if state.needed is not None else list(self.cfg.wait_for)
-            if not all(name in state.arrived for name in needed):
-                return
-            merge = self.fns.merge
-            if merge is None:  # validation requires merge_fn with wait_for
-                raise WiringError(f"stage {self.name!r} waits for several stages but has no merge_fn")
-            merged = merge({name: state.arrived[name] for name in needed})
+            done = self.fan_in.add(rid, request_id, src, payload, inbound)
         except BaseException as exc:  # noqa: B902 - user code: fail the request, keep serving
-            self._drop_fan_in(rid)
             self.port.fail(rid, self.name, exc)
             return
-        state.started = True
-        state.arrived.clear()
-        inbound_all, state.inbound = state.inbound, Inbound()
-        self._arrived(rid, request_id, src, merged, inbound_all)
+        if done is not None:
+            self._arrived(rid, request_id, src, *done)
 
     def _arrived(self, rid: int, request_id: str, src: str, payload: Any, inbound: Inbound) -> None:
         """The call's whole payload is here: start the call, or hand the payload to the call that
@@ -289,19 +125,11 @@ class StageRuntime:
             return
         self._start(rid, request_id, payload, inbound)
 
-    def _wait_for_subset(self, request_id: str, src: str, payload: Any) -> list[str] | None:
-        wait_for = self.fns.wait_for
-        assert wait_for is not None  # asked only of a stage with a wait_for_fn
-        answer = wait_for(request_id, src, payload)
-        if answer is None:
-            return None
-        return chosen_names(answer, self.cfg.wait_for, f"wait_for_fn {self.cfg.wait_for_fn!r} of stage {self.name!r}")
-
     def on_chunk(self, rid: int, request_id: str, src: str, chunk: Any, inbound: Inbound | None, grant: Grant | None) -> None:
         """A stream chunk from ``src`` arrived for request ``rid``. ``grant`` gives its credit
         back to the producer once read (None on a TP follower: its leader's reads do). The first
         chunk starts the call of a stage that can accept a stream before its payload."""
-        if src not in self.streaming_sources:
+        if src not in self.streams.sources:
             if inbound is not None:
                 inbound.release()
             self.port.fail(rid, self.name, WiringError(f"stage {src!r} streamed to {self.name!r} but it is not in its stream_to"))
@@ -312,31 +140,16 @@ class StageRuntime:
             if grant is not None:
                 grant(1, True)
             return
-        buf = self._buffer(rid, src)
-        if buf.grant is None and not self.follower:
-            buf.grant = grant
-        buf.put(chunk, inbound)
+        self.streams.put(rid, src, chunk, inbound, grant)
         if self.starts_on_chunk and rid not in self.running:
             self._start(rid, request_id, PENDING, Inbound())
 
     def on_stream_end(self, rid: int, src: str) -> None:
         if rid not in self.finished:
-            self._buffer(rid, src).end()
-
-    def _buffer(self, rid: int, src: str) -> StreamBuffer:
-        per_request = self.streams.get(rid)
-        if per_request is None:
-            per_request = self.streams[rid] = {}
-        buf = per_request.get(src)
-        if buf is None:
-            buf = per_request[src] = StreamBuffer(self.stream_buffer)
-        return buf
+            self.streams.buffer(rid, src).end()
 
     def stream_from(self, rid: int, src: str):
-        if src not in self.streaming_sources:
-            known = ", ".join(sorted(self.streaming_sources)) or "none"
-            raise StreamClosed(f"stage {self.name!r} cannot stream_from({src!r}): that stage does not stream to it (sources: {known})")
-        return self._buffer(rid, src).__aiter__()
+        return self.streams.reader(rid, src)
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -348,32 +161,12 @@ class StageRuntime:
         ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload, loop, rid in self.port.networked)
         if payload is PENDING:
             self.awaiting[rid] = ctx
-        stand_in = _Starting(loop)
+        stand_in = Starting(loop)
         self.running[rid] = stand_in
-        coro = self._run(rid, ctx, payload, inbound)
-        context = contextvars.copy_context()
-        resume: Any = coro  # without EAGER_START (see omni_core._compat), a task at once
-        if EAGER_START:
-            try:
-                first = context.run(_first_step, coro, stand_in, loop)
-            except StopIteration:  # finished without suspending: no task
-                self._ended(rid, stand_in, inbound)
-                return
-            except BaseException:  # pragma: no cover - _run handles every exception itself
-                log.exception("stage call failed", stage=self.name)
-                self._ended(rid, stand_in, inbound)
-                return
-            resume = Resume(coro, first)
-        task = (loop.create_task(resume, context=context) if _TASK_CONTEXT  # type: ignore[call-arg]  # 3.11+
-                else context.run(loop.create_task, resume))
-        stand_in.task = task
-        if self.running.get(rid) is stand_in:
+        task = start_call(self._run(rid, ctx, payload, inbound), stand_in,
+                          lambda t: self._ended(rid, t, inbound), stage=self.name)
+        if task is not None and self.running.get(rid) is stand_in:
             self.running[rid] = task
-        if stand_in._cancels:
-            task.cancel()
-        # A done callback runs even for a task cancelled before its next step (an abort right
-        # after the call suspended), whose ``finally`` then runs at that step.
-        task.add_done_callback(lambda _: self._ended(rid, task, inbound))
 
     def _ended(self, rid: int, task: Any, inbound: Inbound) -> None:
         inbound.release()
@@ -385,8 +178,7 @@ class StageRuntime:
             del self.running[rid]
             self.inbounds.pop(rid, None)
             self.contexts.pop(rid, None)
-            if rid in self.streams:
-                self._close_streams(rid)
+            self.streams.close(rid)
 
     async def _run(self, rid: int, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
         request_id = ctx.request_id
@@ -415,17 +207,15 @@ class StageRuntime:
                 started = None
                 del payload
                 ctx._end()
-                if self.streaming_sources:
+                if self.streams.sources:
                     self.finished.add(rid)
-                streams = rid in self.streams
-                if not self.follower:
-                    storages = inbound.storages | self._stream_storages(rid) if streams else inbound.storages
-                    if storages:
-                        result = self.port.copy_out(result, storages)
-                if streams:
-                    self._close_streams(rid)
                 if self.follower:  # only the TP leader's result goes downstream
+                    self.streams.close(rid)
                     return
+                lent = self._lent(rid, inbound)
+                if lent:  # a result viewing received relay memory outlives the call
+                    result = self.port.copy_out(result, lent)
+                self.streams.close(rid)
                 await self.port.finish(self, rid, request_id, result)
             finally:
                 slots.release()
@@ -444,8 +234,7 @@ class StageRuntime:
             if self.awaiting.get(rid) is ctx:  # returned without its payload: drop it when it comes
                 self.awaiting[rid] = None
             inbound.release()
-            if rid in self.streams:
-                self._close_streams(rid)
+            self.streams.close(rid)
 
     async def _call(self, payload: Any, ctx: StageContext) -> Any:
         if self.is_async:
@@ -460,10 +249,7 @@ class StageRuntime:
         if rid not in self.running:
             raise StreamClosed(f"stage {self.name!r} emitted a chunk outside of a running call")
         if not self.follower:  # only the TP leader's chunks go downstream
-            inbound = self.inbounds.get(rid)
-            lent = inbound.storages if inbound is not None else set()
-            if rid in self.streams:
-                lent = lent | self._stream_storages(rid)
+            lent = self._lent(rid, self.inbounds.get(rid))
             if lent:  # a chunk viewing received relay memory outlives this call where it goes
                 chunk = self.port.copy_out(chunk, lent)
             self.meter.chunk()
@@ -481,30 +267,13 @@ class StageRuntime:
             task.cancel()
         self.finished.discard(rid)
         self.awaiting.pop(rid, None)
-        self._drop_fan_in(rid)
-        self._drop_streams(rid)
+        self.fan_in.drop(rid)
+        self.streams.drop(rid)
 
-    def _drop_fan_in(self, rid: int) -> None:
-        state = self.fan_in.pop(rid, None)
-        if state is not None:
-            state.inbound.release()
-
-    def _stream_storages(self, rid: int) -> set:
-        """Relay memory the request's unreleased stream chunks still view."""
-        out: set = set()
-        for buf in self.streams.get(rid, {}).values():
-            out |= buf.storages()
-        return out
-
-    def _close_streams(self, rid: int) -> None:
-        """The call ended: its streams read no more (the producers are told)."""
-        for buf in self.streams.pop(rid, {}).values():
-            buf.close()
-
-    def _drop_streams(self, rid: int) -> None:
-        for buf in self.streams.pop(rid, {}).values():
-            buf.grant = None  # the request is over everywhere: nobody to tell
-            buf.close()
+    def _lent(self, rid: int, inbound: Inbound | None) -> set:
+        """The relay memory request ``rid``'s call received and may still view."""
+        lent = inbound.storages if inbound is not None else set()
+        return lent | self.streams.storages(rid) if rid in self.streams else lent
 
     async def close(self) -> None:
         for rid in list(self.running):
@@ -512,10 +281,8 @@ class StageRuntime:
         tasks = [t for t in self.running.values() if isinstance(t, asyncio.Task)]  # stand-ins only last a step
         if tasks:
             await asyncio.wait(tasks, timeout=2)
-        for rid in list(self.fan_in):
-            self._drop_fan_in(rid)
-        for rid in list(self.streams):
-            self._drop_streams(rid)
+        self.fan_in.close()
+        self.streams.drop_all()
         self.awaiting.clear()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
