@@ -39,9 +39,13 @@ def omni_register_stages(register):
              description="Qwen2.5-Omni token2wav: codes -> waveform (DiT + BigVGAN)",
              check="omni_transformers.kit.checks:check_vocoder")  # the checkpoint and the chunk mode
     register("transformers.qwen3_omni.processor", "omni_transformers.qwen3_omni.processor:Processor",
-             description="Qwen3-Omni inputs (chat messages with text and audio) -> model inputs", check=check)
+             description="Qwen3-Omni inputs (chat messages with text, audio, images) -> model inputs",
+             check=check)
     register("transformers.qwen3_omni.audio_encoder", "omni_transformers.qwen3_omni.encoders:AudioEncoder",
              description="Qwen3-Omni audio tower: audio features -> embeddings, micro-batched", check=check)
+    register("transformers.qwen3_omni.vision_encoder", "omni_transformers.qwen3_omni.encoders:VisionEncoder",
+             description="Qwen3-Omni vision tower: image patches -> embeddings and deepstack features, micro-batched",
+             check=check)
     register("transformers.qwen3_omni.thinker", "omni_transformers.qwen3_omni.thinker:Thinker",
              description="Qwen3-Omni MoE thinker: text tokens, batched across requests, streaming to the talker",
              check=check)
@@ -88,9 +92,8 @@ def omni_register_pipelines(register):
     register("qwen2_5_omni.split.gpu", "omni_transformers:pipelines/qwen2_5_omni_split_gpu.yaml",
              description="qwen2_5_omni.split placed on the GPUs there are (spread)")
     for name, what in (
-            ("qwen3_omni", "Qwen3-Omni: processor, audio encoder + MoE thinker in one process, talker + code2wav in "
-                           "another"),
-            ("qwen3_omni.split", "Qwen3-Omni: processor, audio encoder, thinker, talker and code2wav in a process each"),
+            ("qwen3_omni", "Qwen3-Omni: processor, encoders + MoE thinker in one process, talker + code2wav in another"),
+            ("qwen3_omni.split", "Qwen3-Omni: processor, encoders, thinker, talker and code2wav in a process each"),
             ("qwen3_omni.gpu", "qwen3_omni placed on the GPUs there are (spread: thinker and speech on different GPUs)"),
             ("qwen3_omni.split.gpu", "qwen3_omni.split placed on the GPUs there are (spread)")):
         register(name, f"omni_transformers:pipelines/{name.replace('.', '_')}.yaml", description=what)

@@ -21,8 +21,8 @@ def registry():
 def test_the_plugin_registers_its_stages_wiring_functions_and_two_pipelines():
     info = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"}).info("transformers")
     assert info.registered["stage"] == [f"transformers.qwen2_5_omni.{s}" for s in STAGES] + [
-        "transformers.qwen3_omni.processor", "transformers.qwen3_omni.audio_encoder", "transformers.qwen3_omni.thinker",
-        "transformers.qwen3_omni.talker",
+        "transformers.qwen3_omni.processor", "transformers.qwen3_omni.audio_encoder",
+        "transformers.qwen3_omni.vision_encoder", "transformers.qwen3_omni.thinker", "transformers.qwen3_omni.talker",
         "transformers.qwen3_omni.code2wav", "transformers.whisper.asr",
         "transformers.csm.processor", "transformers.csm.talker", "transformers.csm.vocoder"]
     assert info.registered["pipeline"] == ["qwen2_5_omni", "qwen2_5_omni.split", "qwen2_5_omni.gpu",

@@ -19,7 +19,7 @@ from omni_transformers.qwen3_omni import tiny
 
 pytestmark = [pytest.mark.timeout(900)]
 
-STAGES = ["processor", "audio_encoder", "thinker", "text", "talker", "code2wav"]
+STAGES = ["processor", "audio_encoder", "vision_encoder", "thinker", "text", "talker", "code2wav"]
 
 
 def omni(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -29,8 +29,8 @@ def omni(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("name, processes", [("qwen3_omni", 2), ("qwen3_omni.split", 6), ("qwen3_omni.gpu", 2),
-                                             ("qwen3_omni.split.gpu", 6)])
+@pytest.mark.parametrize("name, processes", [("qwen3_omni", 2), ("qwen3_omni.split", 7), ("qwen3_omni.gpu", 2),
+                                             ("qwen3_omni.split.gpu", 7)])
 def test_the_pipelines_are_valid(name, processes):
     registry = load_plugins(env={"OMNI_LOAD_PLUGINS": "transformers"}).registry
     cfg = load_config(name, registry=registry)

@@ -179,6 +179,28 @@ def test_input_audio_is_heard_and_answered_with_speech_equal_to_the_pipeline(cli
     assert done.usage.prompt_tokens == want["prompt_tokens"] > 20  # the audio's placeholders count
     with wave.open(io.BytesIO(base64.b64decode(done.choices[0].message.audio.data))) as out:
         assert_same_pcm(out.readframes(out.getnframes()), want["audio"])
-    with pytest.raises(openai.BadRequestError, match="text and audio parts so far"):
-        client.chat.completions.create(model=NAME, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, question]}])
+
+
+def test_an_image_url_is_seen_and_answered_with_speech_equal_to_the_pipeline(client, server):
+    import numpy as np
+    from omni_core.encoding import to_jsonable
+    from PIL import Image
+
+    pixels = (np.random.RandomState(3).rand(64, 96, 3) * 255).astype(np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(png, format="PNG")
+    question = {"type": "text", "text": "what is it?"}
+    r = httpx.post(f"{server.url}/v1/pipelines/{NAME}/requests", timeout=600, json={"input": to_jsonable({
+        "wav_path": None, "max_new_tokens": MAX_TOKENS, "speaker": "chelsie", "seed": SEED, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "image", "image": torch.from_numpy(pixels)}, question]}]})})
+    assert r.status_code == 200, r.text
+    want = from_jsonable(r.json()["result"], "result")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    done = client.chat.completions.create(
+        model=NAME, max_tokens=MAX_TOKENS, seed=SEED, temperature=0, modalities=["text", "audio"],
+        audio={"voice": "chelsie", "format": "wav"},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, question]}])
+    assert done.choices[0].message.content == want["text"]
+    assert done.usage.prompt_tokens == want["prompt_tokens"]
+    with wave.open(io.BytesIO(base64.b64decode(done.choices[0].message.audio.data))) as out:
+        assert_same_pcm(out.readframes(out.getnframes()), want["audio"])

@@ -297,3 +297,48 @@ def test_an_audio_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, sta
     frames, want = frames_of(talked["codes"]), decoded[0][0].T.tolist()
     # generate decodes one frame less when it stops at talker_max_new_tokens (its code predictor runs a step late)
     assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)
+
+
+def test_an_image_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, stages):
+    """Images in the prompt: the vision encoder stage's embeddings spliced in and its deepstack features added to
+    the thinker's first layers at the image positions; the talker's M-RoPE positions over the image grid."""
+    import numpy as np
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_transformers.kit.wiring import text_inputs
+    from omni_transformers.qwen3_omni.encoders import VisionEncoder
+
+    processor, chain = stages
+    pixels = torch.from_numpy((np.random.RandomState(3).rand(64, 96, 3) * 255).astype(np.uint8))
+    messages = [{"role": "user", "content": [{"type": "image", "image": pixels}, {"type": "text", "text": "what is it?"}]}]
+    payload = processor({"messages": messages, "speaker": SPEAKER}, None)
+    assert payload["image_grid_thw"] == [[1, 4, 6]]
+    encoder = VisionEncoder(str(qwen3_tiny))
+    try:
+        encoded = asyncio.run(encoder({"pixel_values": payload["pixel_values"],
+                                       "image_grid_thw": payload["image_grid_thw"]}, None))
+    finally:
+        asyncio.run(encoder.close())
+    assert encoded["image_embeds"].shape == (6, 32) and encoded["image_deepstack"].shape == (2, 6, 32)
+    thought, talked, _ = asyncio.run(speak(chain, {**text_inputs(payload), **encoded}))
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_tiny).eval()
+    decoded = []
+    hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
+    ids = payload["input_ids"]
+    try:
+        seq, _ = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                pixel_values=payload["pixel_values"],
+                                image_grid_thw=torch.tensor(payload["image_grid_thw"]), return_audio=True,
+                                speaker=SPEAKER, thinker_eos_token_id=tok.eos_token_id,
+                                thinker_max_new_tokens=THINKER_MAX, talker_do_sample=False,
+                                talker_max_new_tokens=TALKER_MAX)
+    finally:
+        hook.remove()
+    assert thought["token_ids"] == seq[0, len(ids):].tolist()
+    frames, want = frames_of(talked["codes"]), decoded[0][0].T.tolist()
+    assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)
+    # the deepstack features matter: without them the reply differs
+    plain = {k: v for k, v in encoded.items() if k != "image_deepstack"}
+    assert asyncio.run(speak(chain, {**text_inputs(payload), **plain}))[0]["token_ids"] != thought["token_ids"]

@@ -84,15 +84,12 @@ def test_thinker_tokens_equal_generate_and_16_at_once_equal_alone(qwen3_tiny, st
         assert result["completion_tokens"] == len(result["token_ids"])
 
 
-def test_the_processor_refuses_image_parts_naming_them(stages):
+def test_the_processor_refuses_video_parts_naming_them(stages):
     processor, _ = stages
-    with pytest.raises(InvalidInput, match="text and audio parts so far") as refused:
+    with pytest.raises(InvalidInput, match="videos are not supported") as refused:
         processor({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                             {"type": "image", "image": "b.png"}]}]}, None)
-    assert refused.value.field == "messages[0].content[1] (image)"
-    with pytest.raises(InvalidInput, match="text and audio parts so far") as refused:
-        processor({"text": "what is this?", "image": "b.png"}, None)
-    assert refused.value.field == "image"
+                                                             {"type": "video", "video": "c.mp4"}]}]}, None)
+    assert refused.value.field == "messages[0].content[1]"
 
 
 def test_omni_run_on_the_checkpoint_folder_answers_with_the_thinkers_text(qwen3_tiny, stages):

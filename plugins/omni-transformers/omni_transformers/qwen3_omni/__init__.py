@@ -1,8 +1,8 @@
 """Qwen3-Omni (``model_type`` ``qwen3_omni_moe``): MoE thinker with audio and vision towers, MoE talker whose
 step makes a frame of 16 codes (code0, then its code predictor's 15), code2wav. Its tiny checkpoint
-(``python -m omni_transformers.tiny DIR --family qwen3_omni``), a processor for chat messages with text and audio, the MoE
-thinker and the talker on the kit's decode loops, code2wav as the kit's streaming vocoder and the audio encoder
-(pipelines ``qwen3_omni``, ``qwen3_omni.split`` and their GPU variants); the vision encoder is to come."""
+(``python -m omni_transformers.tiny DIR --family qwen3_omni``), a processor for chat messages with text, audio and
+images, the audio and vision encoders, the MoE thinker and the talker on the kit's decode loops and code2wav as the
+kit's streaming vocoder (pipelines ``qwen3_omni``, ``qwen3_omni.split`` and their GPU variants)."""
 
 from ..kit.family import Family
 
@@ -12,6 +12,6 @@ FAMILY = Family(
     default_pipeline="qwen3_omni",
     write_tiny="omni_transformers.qwen3_omni.tiny:write_tiny_checkpoint",
     stages={role: f"transformers.qwen3_omni.{role}"
-            for role in ("processor", "audio_encoder", "thinker", "talker", "code2wav")},
+            for role in ("processor", "audio_encoder", "vision_encoder", "thinker", "talker", "code2wav")},
     description="Qwen3-Omni (MoE thinker, talker with code predictor, code2wav) from transformers",
 )

@@ -1,7 +1,8 @@
-"""Qwen3-Omni's audio encoder stage: its audio tower (``Qwen3OmniMoeAudioEncoder``), micro-batched across requests,
-with the Qwen2.5-Omni stage's payload and checks (``audio_features`` [mel, frames] per audio and ``audio_seqlens``
-in, ``audio_embeds`` [n, H] out). The tower attends within each audio's windows only, so a request's embeddings
-do not depend on its neighbours in a batch."""
+"""Qwen3-Omni's encoder stages, micro-batched across requests, with the Qwen2.5-Omni stages' payloads and checks:
+its audio tower (``Qwen3OmniMoeAudioEncoder``: ``audio_features`` [mel, frames] per audio and ``audio_seqlens`` in,
+``audio_embeds`` [n, H] out) and its vision tower (``Qwen3OmniMoeVisionEncoder``: ``pixel_values`` and
+``image_grid_thw`` in, ``image_embeds`` [n, H] and ``image_deepstack`` [layers, n, H] out). The towers attend
+within each audio's windows / each image only, so a request's embeddings do not depend on its neighbours."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..kit.sampling import resolve_model_path, torch_dtype
 from ..qwen2_5_omni.encoders import AudioEncoder as QwenAudioEncoder
+from ..qwen2_5_omni.encoders import VisionEncoder as QwenVisionEncoder
 from .thinker import omni_config
 
 
@@ -49,3 +51,42 @@ class AudioEncoder(QwenAudioEncoder):
             results.append(torch.cat(per_audio[k:k + len(feats)]))
             k += len(feats)
         return results
+
+
+def load_vision_tower(model: str | None, *, dtype: str | None = "auto", device: str = "cpu"):
+    """The vision tower of a whole ``qwen3_omni_moe`` checkpoint (only its weights are read), in eval mode."""
+    import transformers
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    transformers.logging.set_verbosity_error()
+    path = resolve_model_path(model)
+    config = omni_config(path).thinker_config.vision_config
+    want = torch_dtype(dtype)
+    tower = Qwen3OmniMoeVisionEncoder.from_pretrained(
+        path, config=config, local_files_only=True, key_mapping={r"^thinker\.visual\.": ""},
+        dtype=want if want is not None else "auto")
+    return tower.to(device).eval()
+
+
+class VisionEncoder(QwenVisionEncoder):
+    """The vision tower, as the thinker's ``get_image_features`` runs it: ``image_embeds`` [n, H] for the
+    placeholders and ``image_deepstack`` [layers, n, H], what the thinker adds to the hidden states of its first
+    layers at the image positions (the tower's deepstack features)."""
+
+    def load_tower(self, model, *, dtype, device):
+        return load_vision_tower(model, dtype=dtype, device=device)
+
+    def forward(self, items: list[tuple[torch.Tensor, list[list[int]]]]) -> list[torch.Tensor]:
+        grids = [g for _, grid in items for g in grid]
+        with torch.inference_mode():
+            pixels = torch.cat([p for p, _ in items]).to(self.device, self.dtype)
+            out = self.tower(pixels, grid_thw=torch.tensor(grids, dtype=torch.long, device=self.device))
+            stacked = torch.stack([out.pooler_output, *out.deepstack_features])  # [1 + layers, n, H]
+        merge = self.tower.spatial_merge_size ** 2
+        sizes = [sum(t * h * w // merge for t, h, w in grid) for _, grid in items]
+        return list(torch.split(stacked, sizes, dim=1))
+
+    async def __call__(self, payload: dict, ctx) -> dict:
+        out = await super().__call__(payload, ctx)
+        stacked = out.pop("image_embeds")
+        return {**out, "image_embeds": stacked[0], "image_deepstack": stacked[1:]}

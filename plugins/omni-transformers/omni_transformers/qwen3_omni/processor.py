@@ -1,11 +1,9 @@
 """Qwen3-Omni's processor stage: a request's chat messages (or the ``text`` shorthand, or ``input_ids``) as the
-thinker's ``input_ids``, rendered with the checkpoint's chat template, and a request's audio as the audio
-encoder's features (``Qwen3OmniMoeProcessor``'s feature extraction and placeholder expansion). Image parts are
-refused (an ``InvalidInput`` naming the part) until the family's vision stage exists."""
+thinker's ``input_ids``, rendered with the checkpoint's chat template, and a request's audio and images as the
+encoders' inputs (``Qwen3OmniMoeProcessor``'s feature extraction, image processing and placeholder expansion).
+Video parts are refused, naming the part."""
 
 from __future__ import annotations
-
-from omni_core.errors import InvalidInput
 
 from ..qwen2_5_omni.processor import Processor as QwenProcessor
 from .thinker import DEFAULT_SPEAKER
@@ -36,7 +34,7 @@ def qwen3_processor_class():
 
 class Processor(QwenProcessor):
     """As the Qwen2.5-Omni processor (same request keys and checks), with no default system prompt (Qwen3-Omni
-    needs none), generate's default voice (``ethan``), text and audio parts."""
+    needs none), generate's default voice (``ethan``); text, audio and image parts."""
 
     processor_class = staticmethod(qwen3_processor_class)
 
@@ -48,14 +46,3 @@ class Processor(QwenProcessor):
         if payload.get("speaker") is None:  # generate's default voice (Qwen2.5-Omni's is another)
             out["speaker"] = DEFAULT_SPEAKER
         return out
-
-    def media_of(self, messages: list[dict], origin=None, inserted: int = 0) -> tuple[list[dict], list, list]:
-        for k, message in enumerate(messages):
-            content = message.get("content") if isinstance(message, dict) else None
-            for j, part in enumerate(content if isinstance(content, list) else []):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "image":
-                    where = part.get("where") or f"messages[{k - inserted}].content[{j}] ({kind})"
-                    raise InvalidInput(f"{where}: the qwen3_omni pipeline takes text and audio parts so far (image "
-                                       "inputs are not served yet); send text or audio", field=where)
-        return super().media_of(messages, origin, inserted)

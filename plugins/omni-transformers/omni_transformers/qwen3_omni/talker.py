@@ -59,7 +59,7 @@ class Talker(CodecTalker):
     """
 
     codebooks = 16
-    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens")
+    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens", "image_grid")
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_new_tokens: int = 4096, do_sample: bool = True, top_k: int = 50, top_p: float = 1.0,
@@ -103,13 +103,14 @@ class Talker(CodecTalker):
         codec = torch.cat([torch.zeros(3, text.shape[1], dtype=text.dtype, device=self.device),
                            self.codec_embed(torch.tensor(codes, device=self.device))])
         prefix = torch.cat([parts[user], text + codec])
-        seqlens = head["audio_seqlens"]
-        if seqlens.numel():  # M-RoPE positions over the talker's prompt ids (the user turns, then tts_pad)
+        seqlens, grid = head["audio_seqlens"], head["image_grid"]
+        if seqlens.numel() or grid.numel():  # M-RoPE positions over the talker's prompt ids (user turns, tts_pad)
             ids = torch.cat([head["ids"][user.to(head["ids"].device)],
                              torch.full((text.shape[0],), self.tts_pad_id, dtype=torch.long, device=self.device)])
             rope, delta = self.model.get_rope_index(
-                ids[None], attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long, device=self.device),
-                audio_seqlens=seqlens)
+                ids[None], image_grid_thw=grid if grid.numel() else None,
+                attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long, device=self.device),
+                audio_seqlens=seqlens if seqlens.numel() else None)
             head["positions"] = torch.cat([torch.arange(ids.shape[0], device=self.device)[None], rope[:, 0]])
             head["rope_delta"] = int(delta.reshape(-1)[0])
         # The repetition penalty reads the codes made (generate passes the prompt as embeddings only).

@@ -7,10 +7,13 @@ at audio/image positions; per generated token, its input embedding (streamed one
 back); in the first chunk, which prompt positions are user turns and which are media, the embeddings of
 ``<tts_text_bos>``, ``<tts_text_eod>`` and ``<tts_pad>``, and the speaker's codec id (``speaker``: ``chelsie``,
 ``ethan`` or ``aiden``, from the config; any case), and for the talker's M-RoPE positions the prompt's ids and
-its audios' feature lengths. Audio in the prompt: the audio encoder's embeddings spliced in at its placeholders."""
+its audios' feature lengths and images' grids. Audio and images in the prompt: the encoders' embeddings spliced in
+at their placeholders, and the vision tower's deepstack features added to the first layers' hidden states at the
+image positions (as the thinker's forward does with pixel values)."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 from omni_core.errors import InvalidInput
 
@@ -41,13 +44,45 @@ def load_thinker(path, *, dtype: str | None = "auto", device: str = "cpu"):
     return model.to(device).eval()
 
 
+@attrs.frozen
+class ImagePrefill(PrefillInputs):
+    """A prompt with images: also the vision tower's deepstack features ``deepstack`` [layers, n, H] and the
+    image positions ``image_mask`` [L] they are added at (in the first layers' hidden states)."""
+
+    deepstack: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+
+
 class Qwen3ThinkerEngine(ThinkerEngine):
     position_axes = 4  # the text axis, then M-RoPE's three
     hands_off = True
 
     def load_model(self, path, *, dtype: str, device: str):
         self.accept_layer = omni_config(path).talker_config.accept_hidden_layer
-        return load_thinker(path, dtype=dtype, device=device)
+        model = load_thinker(path, dtype=dtype, device=device)
+        self._deepstack: tuple | None = None
+        model.model.language_model.register_forward_pre_hook(self._add_deepstack, with_kwargs=True)
+        return model
+
+    def _add_deepstack(self, module, args, kwargs):
+        """The deepstack features of the prompt chunk being prefilled (``prefill`` sets them; the forward
+        from embeddings passes none of its own)."""
+        if self._deepstack is not None:
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = self._deepstack
+        return args, kwargs
+
+    def prefill(self, state, start: int, end: int):
+        pre = state.pre
+        if not isinstance(pre, ImagePrefill) or pre.deepstack is None:
+            return super().prefill(state, start, end)
+        mask = pre.image_mask[start:end]
+        first, count = int(pre.image_mask[:start].sum()), int(mask.sum())
+        if count:
+            self._deepstack = (mask[None].to(self.device), list(pre.deepstack[:, first:first + count]))
+        try:
+            return super().prefill(state, start, end)
+        finally:
+            self._deepstack = None
 
     def step_conditioning(self, out) -> torch.Tensor:
         return out.hidden_states[0][:, 0]  # the fed token's input embedding
@@ -63,7 +98,7 @@ class Qwen3ThinkerEngine(ThinkerEngine):
 class Thinker(KitThinker):
     __doc__ = KitThinker.__doc__
     engine_class = Qwen3ThinkerEngine
-    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens")
+    head_keys = ("user", "media", "tts", "speaker", "ids", "audio_seqlens", "image_grid")
 
     def __init__(self, *args, speech: bool = True, **kwargs):
         super().__init__(*args, speech=speech, **kwargs)
@@ -101,12 +136,22 @@ class Thinker(KitThinker):
         return {"user": torch.tensor(user, dtype=torch.bool), "media": torch.zeros(len(ids), dtype=torch.bool),
                 "tts": self.engine.embeds(self.tts_ids), "speaker": torch.tensor([head], dtype=torch.long),
                 "ids": torch.tensor(ids, dtype=torch.long),
-                "audio_seqlens": torch.tensor(payload.get("audio_seqlens") or [], dtype=torch.long)}
+                "audio_seqlens": torch.tensor(payload.get("audio_seqlens") or [], dtype=torch.long),
+                "image_grid": torch.tensor(payload.get("image_grid_thw") or [], dtype=torch.long).reshape(-1, 3)}
 
     def prefill_inputs(self, payload: dict) -> PrefillInputs:
-        """The prompt with the audio encoder's embeddings spliced in at its placeholders, M-RoPE positions from
-        the model's own ``get_rope_index`` (as for Qwen2.5-Omni)."""
-        return prefill_inputs(self.model, payload, self.device)
+        """The prompt with the encoders' embeddings spliced in at their placeholders, M-RoPE positions from the
+        model's own ``get_rope_index`` (as for Qwen2.5-Omni), and the images' deepstack features."""
+        pre = prefill_inputs(self.model, payload, self.device)
+        deepstack = payload.get("image_deepstack")
+        if deepstack is None:
+            return pre
+        image_mask = torch.tensor(pre.input_ids, device=self.device) == self.model.config.image_token_id
+        if not isinstance(deepstack, torch.Tensor) or deepstack.dim() != 3 or deepstack.shape[1] != int(image_mask.sum()):
+            raise ValueError(f"image_deepstack must be [layers, {int(image_mask.sum())}, H] (one row per image "
+                             f"placeholder), got {getattr(deepstack, 'shape', type(deepstack).__name__)}")
+        return ImagePrefill(**attrs.asdict(pre, recurse=False),
+                            deepstack=deepstack.to(self.device, pre.inputs_embeds.dtype), image_mask=image_mask)
 
     def _prepare(self, payload: dict, head) -> tuple[PrefillInputs, dict]:
         pre, extra = super()._prepare(payload, head)
