@@ -1,9 +1,10 @@
 """What the ``openai`` and ``realtime`` APIs of ``omni serve`` share: the adapter option keys they
 both take, the checks of those options against the pipeline, the readers of a stage's stream
-chunks (text, audio, sample rate), the usage and finish reason of a result, and audio as PCM16.
+chunks (text, audio, sample rate), the usage and finish reason of a result, audio as PCM16, and
+the one resampler (soxr) of audio going to a pipeline: :func:`resample`.
 
 Both APIs read a pipeline the same way, so a pipeline set up for one serves the other; this module
-is that one way. It imports nothing heavy (numpy only inside :func:`pcm16`).
+is that one way. It imports nothing heavy (numpy and soxr only inside the audio functions).
 """
 
 from __future__ import annotations
@@ -142,6 +143,21 @@ def pcm16(audio: Any) -> bytes | None:
         array = array.astype(np.float32)
     array = np.clip(np.nan_to_num(array, nan=0.0), -1.0, 1.0) * array.dtype.type(32767)
     return np.rint(array).astype("<i2").tobytes()
+
+
+def resample(samples: Any, src: int, dst: int) -> Any:
+    """Float samples (1-D) from ``src`` Hz to ``dst`` Hz, whole, with soxr (its default, high
+    quality): the one resampler of audio going to a pipeline, whichever way it came (an uploaded
+    file, a realtime session's turn), and the one the transformers stages use, so the same audio
+    reaches a stage as the same samples. float32 out; at the same rate the samples as they are."""
+    import numpy as np
+
+    x = np.ascontiguousarray(samples, dtype=np.float32)
+    if src == dst or x.size == 0:
+        return x
+    import soxr
+
+    return soxr.resample(x, src, dst).astype(np.float32, copy=False)
 
 
 def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:

@@ -19,7 +19,8 @@ pipeline's inputs and how its result becomes the answer; every key is optional::
             # asr
             audio_key: audio            # the file's samples (1-D float32 tensor, mono) go to inputs[audio_key]
             sample_rate_key: sample_rate  # ... and its sample rate to inputs[sample_rate_key] (null: not passed)
-            input_sample_rate: null     # resample the file to this rate first (null: the file's own rate)
+            input_sample_rate: null     # resample the file to this rate first, with soxr as a realtime
+                                        #   session's turn (null: the file's own rate)
             max_audio_seconds: 600      # a longer file is refused (400)
             language_key: null          # `language` goes to inputs[language_key] (null: refused unless absent)
             prompt_key: null            # `prompt` goes here (null: refused unless absent or empty)
@@ -67,13 +68,15 @@ from typing import Any
 
 from omni_core.options import Option, parse_options
 
+from .api_common import resample
+
 #: The options schema of ``serve.options.openai.audio``.
 AUDIO_OPTIONS: dict[str, Option] = {
     "audio_key": Option("str", "audio", "asr: the file's mono samples (1-D float32 tensor) go to inputs[audio_key]"),
     "sample_rate_key": Option("str", "sample_rate", "asr: the samples' rate goes to inputs[sample_rate_key] "
                               "(null: not passed)", nullable=True),
-    "input_sample_rate": Option("positive_int", None, "asr: resample the file to this rate first (null: the "
-                                "file's own)", nullable=True),
+    "input_sample_rate": Option("positive_int", None, "asr: resample the file to this rate first (soxr, as a "
+                                "realtime session's turn; null: the file's own)", nullable=True),
     "max_audio_seconds": Option("positive_number", 600.0, "asr: a longer file is refused (400)"),
     "language_key": Option("str", None, "asr: `language` goes to inputs[language_key] (null: refused unless "
                            "absent)", nullable=True),
@@ -173,9 +176,7 @@ def read_audio(data: bytes, filename: str | None, max_seconds: float, rate: int 
         raise Refused(f"the uploaded file {name!r} could not be decoded (truncated or corrupt?)", "file") from None
     mono = samples.mean(axis=1, dtype=np.float32)
     if rate is not None and rate != sr:
-        n = max(1, round(len(mono) * rate / sr))
-        mono = np.interp(np.arange(n) * (sr / rate), np.arange(len(mono)), mono).astype(np.float32)
-        sr = rate
+        mono, sr = resample(mono, sr, rate), rate  # as a realtime session's turn is resampled
     return mono, sr
 
 

@@ -3,7 +3,9 @@
 ``Transcriber`` "transcribes" by a deterministic function of the audio: one word per 0.1 s block,
 the block's loudness as a letter (``a``: silence ... ``z``: full scale), streamed one word at a
 time, with a segment per word when the input ``timestamps`` is true (the route asks for verbose_json,
-srt and vtt); :func:`transcribe` is the same function for the tests. A prompt is
+srt and vtt); :func:`transcribe` is the same function for the tests. ``Transcriber(digest=True)``
+ends the text with :func:`digest` of the samples it got (so a test sees whether two paths gave the
+stage the same samples). A prompt is
 the first piece of the text; one starting with ``"hold"`` makes it wait after that piece until the
 test creates a file of that name in ``$AUDIO_STAGES_HOLD``.
 
@@ -39,7 +41,17 @@ def transcribe(samples: np.ndarray, rate: int) -> list[tuple[float, float, str]]
     return out
 
 
+def digest(samples: np.ndarray, rate: int) -> str:
+    """The word ``Transcriber(digest=True)`` ends its text with: the rate and a hash of the samples."""
+    import hashlib
+
+    return f"#{rate}:{hashlib.sha256(np.ascontiguousarray(samples, np.float32).tobytes()).hexdigest()[:16]}"
+
+
 class Transcriber:
+    def __init__(self, digest: bool = False):
+        self.digest = digest
+
     async def __call__(self, inputs: dict[str, Any], ctx: Any) -> dict[str, Any]:
         audio = inputs["audio"]
         rate = inputs["sample_rate"]
@@ -47,6 +59,8 @@ class Transcriber:
         prefix = inputs.get("prompt") or ""
         language = inputs.get("language") or "en"
         pieces = ([prefix.strip()] if prefix.strip() else []) + [w for _, _, w in words]
+        if self.digest:
+            pieces.append(digest(audio.numpy(), rate))
         for index, piece in enumerate(pieces):
             await ctx.emit({"text": piece})
             if index == 0 and prefix.startswith("hold"):

@@ -23,11 +23,14 @@ pytestmark = pytest.mark.timeout(300)
 HERE = Path(__file__).parent
 SPEECH_WAV = HERE / "data" / "hello_24k.wav"
 
+# The toy ends its text with a digest of the samples it got (at 16 kHz: both paths resample), so equal
+# transcripts mean equal samples; no timestamps_key: it is never asked for segments.
 ASR = """
 name: asr
 stages:
   - name: asr
     factory: audio_stages:Transcriber
+    args: {digest: true}
     terminal: true
 serve:
   apis: [openai]
@@ -38,7 +41,8 @@ serve:
       audio:
         text_joiner: " "
         max_audio_seconds: 30
-        timestamps_key: null  # never asked for segments
+        input_sample_rate: 16000
+        timestamps_key: null
 """
 
 
@@ -119,6 +123,35 @@ def test_each_committed_turn_is_transcribed_by_the_asr_pipeline(server):
         assert done.usage.model_dump() == answer.usage.model_dump()  # the same usage as the route's
 
 
+def test_the_same_audio_reaches_the_stage_as_the_same_samples_by_either_path(server):
+    """An ASR pipeline with ``input_sample_rate`` (16 kHz here): the route resamples the upload and the
+    session its committed turn with one resampler, so the stage gets equal samples (the toy's digest of
+    them ends its text), equal to the audio resampled with soxr here."""
+    import numpy as np
+    import soxr
+    from audio_stages import digest
+
+    pcm = speech()
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+        routed = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav")).text
+
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model="demo", max_retries=0) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "asr"}}}})
+            await events_until(conn, "session.updated")
+            for i in range(0, len(pcm), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    spoken = asyncio.run(asyncio.wait_for(main(), 120))[-1].transcript
+    samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+    want = digest(soxr.resample(samples, 24000, 16000).astype(np.float32), 16000)
+    assert routed.split()[-1] == spoken.split()[-1] == want
+
+
 def test_without_timestamps_key_verbose_json_has_one_segment_of_the_whole_file(server):
     """A pipeline that makes no segments (this one is never asked: ``timestamps_key: null``) keeps one segment,
     the whole file, in verbose_json, srt and vtt."""
@@ -128,7 +161,7 @@ def test_without_timestamps_key_verbose_json_has_one_segment_of_the_whole_file(s
         verbose = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)),
                                                   response_format="verbose_json")
         srt = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)), response_format="srt")
-    assert verbose.duration == pytest.approx(seconds, abs=1e-3)
+    assert verbose.duration == pytest.approx(seconds, abs=1e-3)  # of the samples at 16 kHz
     assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, verbose.duration, verbose.text)]
     assert srt.startswith("1\n00:00:00,000 --> ") and srt.count(" --> ") == 1
 

@@ -33,8 +33,8 @@ The package's modules: :mod:`.protocol` (client events, options, the values a cl
 :mod:`.session` (the connection, ``session.update``, the input audio buffer, the route),
 :mod:`.conversation` (items), :mod:`.responses` (running a response), :mod:`.transcription`
 (input audio transcription by an ASR pipeline of the server), :mod:`.vad` (server VAD)
-and :mod:`.audio` (PCM16 and resampling); what the ``openai`` API shares with it is in
-:mod:`omni_contrib_stages.api_common`.
+and :mod:`.audio` (PCM16); what the ``openai`` API shares with it (the resampler of audio both ways too) is
+in :mod:`omni_contrib_stages.api_common`.
 """
 
 from __future__ import annotations

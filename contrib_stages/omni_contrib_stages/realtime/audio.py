@@ -1,5 +1,6 @@
-"""The client's audio: base64 PCM16 at 24 kHz in, resampled floats for the pipeline and the VAD,
-PCM16 at 24 kHz out."""
+"""The client's audio: base64 PCM16 at 24 kHz in, resampled floats for the pipeline and the VAD
+(:func:`~omni_contrib_stages.api_common.resample`, as ``POST /v1/audio/transcriptions`` resamples
+an upload), PCM16 at 24 kHz out."""
 
 from __future__ import annotations
 
@@ -10,29 +11,14 @@ from typing import Any
 
 import numpy as np
 
+# the one resampler (soxr): a turn reaches a pipeline as the same audio uploaded as a file does
+from ..api_common import resample  # noqa: F401 - re-exported
 from .protocol import ClientError
 
 #: The client's audio, both ways: PCM16, mono, little-endian, 24 kHz (OpenAI's ``audio/pcm``).
 RATE = 24000
 #: The shortest buffer a commit accepts (OpenAI's rule).
 MIN_COMMIT_MS = 100
-
-
-def resample(samples: np.ndarray, src: int, dst: int) -> np.ndarray:
-    """Float samples from ``src`` Hz to ``dst`` Hz: a windowed-sinc low-pass below the lower
-    Nyquist rate when going down, then linear interpolation."""
-    if src == dst or samples.size == 0:
-        return samples.astype(np.float32, copy=False)
-    x = samples.astype(np.float32, copy=False)
-    if dst < src:
-        taps = 31
-        cutoff = 0.5 * dst / src
-        n = np.arange(taps) - (taps - 1) / 2
-        kernel = (2 * cutoff * np.sinc(2 * cutoff * n) * np.hamming(taps)).astype(np.float32)
-        x = np.convolve(x, kernel / kernel.sum(), mode="same")
-    length = max(1, round(x.size * dst / src))
-    positions = np.arange(length, dtype=np.float64) * (src / dst)
-    return np.interp(positions, np.arange(x.size), x).astype(np.float32)
 
 
 def decode_audio(data: Any, param: str) -> bytes:
