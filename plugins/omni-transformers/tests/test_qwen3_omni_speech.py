@@ -103,8 +103,9 @@ def stages(qwen3_tiny):
     asyncio.run(close())
 
 
-def reference(qwen3_tiny, ids_list):
-    """transformers' generate (greedy thinker and talker): the reply's tokens and the frames code2wav decodes."""
+def reference(qwen3_tiny, ids_list, **media):
+    """transformers' generate (greedy thinker and talker) for each prompt (``media``: its audio or image inputs):
+    the reply's tokens and the frames code2wav decodes."""
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     tok = AutoTokenizer.from_pretrained(qwen3_tiny)
@@ -114,13 +115,22 @@ def reference(qwen3_tiny, ids_list):
         decoded = []
         hook = model.code2wav.register_forward_pre_hook(lambda module, args, into=decoded: into.append(args[0]))
         try:
-            seq, _ = model.generate(input_ids=torch.tensor([ids]), return_audio=True, speaker=SPEAKER,
-                                    thinker_eos_token_id=tok.eos_token_id, thinker_max_new_tokens=THINKER_MAX,
-                                    talker_do_sample=False, talker_max_new_tokens=TALKER_MAX)
+            seq, _ = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    return_audio=True, speaker=SPEAKER, thinker_eos_token_id=tok.eos_token_id,
+                                    thinker_max_new_tokens=THINKER_MAX, talker_do_sample=False,
+                                    talker_max_new_tokens=TALKER_MAX, **media)
         finally:
             hook.remove()
         out.append((seq[0, len(ids):].tolist(), decoded[0][0].T.tolist()))
     return out
+
+
+def assert_as_generate(thought: dict, talked: dict, tokens: list[int], want: list) -> None:
+    """A spoken reply equals generate's: its tokens, and its frames but that generate decodes one frame less when
+    it stops at talker_max_new_tokens (its code predictor runs a step late)."""
+    assert thought["token_ids"] == tokens
+    frames = frames_of(talked["codes"])
+    assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)
 
 
 def test_frames_equal_generate_alone_and_16_at_once_equal_alone(qwen3_tiny, stages):
@@ -260,7 +270,6 @@ def test_an_audio_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, sta
     """Audio in the prompt: the processor's features through the audio encoder stage, spliced into the thinker's
     prompt; the talker reads the audio positions through hidden_projection at M-RoPE positions of its own."""
     import soundfile
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from omni_transformers.kit.wiring import text_inputs
     from omni_transformers.qwen3_omni.encoders import AudioEncoder
@@ -279,31 +288,15 @@ def test_an_audio_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, sta
         asyncio.run(encoder.close())
     thought, talked, _ = asyncio.run(speak(chain, {**text_inputs(payload), **encoded}))
 
-    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_tiny).eval()
-    decoded = []
-    hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
-    ids = payload["input_ids"]
-    try:
-        seq, _ = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                input_features=payload["audio_features"][0][None],
-                                feature_attention_mask=torch.ones(1, payload["audio_seqlens"][0], dtype=torch.long),
-                                return_audio=True, speaker=SPEAKER, thinker_eos_token_id=tok.eos_token_id,
-                                thinker_max_new_tokens=THINKER_MAX, talker_do_sample=False,
-                                talker_max_new_tokens=TALKER_MAX)
-    finally:
-        hook.remove()
-    assert thought["token_ids"] == seq[0, len(ids):].tolist()
-    frames, want = frames_of(talked["codes"]), decoded[0][0].T.tolist()
-    # generate decodes one frame less when it stops at talker_max_new_tokens (its code predictor runs a step late)
-    assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)
+    [(tokens, want)] = reference(qwen3_tiny, [payload["input_ids"]], input_features=payload["audio_features"][0][None],
+                                 feature_attention_mask=torch.ones(1, payload["audio_seqlens"][0], dtype=torch.long))
+    assert_as_generate(thought, talked, tokens, want)
 
 
 def test_an_image_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, stages):
     """Images in the prompt: the vision encoder stage's embeddings spliced in and its deepstack features added to
     the thinker's first layers at the image positions; the talker's M-RoPE positions over the image grid."""
     import numpy as np
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from omni_transformers.kit.wiring import text_inputs
     from omni_transformers.qwen3_omni.encoders import VisionEncoder
@@ -322,23 +315,9 @@ def test_an_image_prompt_gives_the_tokens_and_frames_of_generate(qwen3_tiny, sta
     assert encoded["image_embeds"].shape == (6, 32) and encoded["image_deepstack"].shape == (2, 6, 32)
     thought, talked, _ = asyncio.run(speak(chain, {**text_inputs(payload), **encoded}))
 
-    tok = AutoTokenizer.from_pretrained(qwen3_tiny)
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_tiny).eval()
-    decoded = []
-    hook = model.code2wav.register_forward_pre_hook(lambda module, args: decoded.append(args[0]))
-    ids = payload["input_ids"]
-    try:
-        seq, _ = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                pixel_values=payload["pixel_values"],
-                                image_grid_thw=torch.tensor(payload["image_grid_thw"]), return_audio=True,
-                                speaker=SPEAKER, thinker_eos_token_id=tok.eos_token_id,
-                                thinker_max_new_tokens=THINKER_MAX, talker_do_sample=False,
-                                talker_max_new_tokens=TALKER_MAX)
-    finally:
-        hook.remove()
-    assert thought["token_ids"] == seq[0, len(ids):].tolist()
-    frames, want = frames_of(talked["codes"]), decoded[0][0].T.tolist()
-    assert len(want) > 10 and frames[:len(want)] == want and len(frames) - len(want) in (0, 1)
+    [(tokens, want)] = reference(qwen3_tiny, [payload["input_ids"]], pixel_values=payload["pixel_values"],
+                                 image_grid_thw=torch.tensor(payload["image_grid_thw"]))
+    assert_as_generate(thought, talked, tokens, want)
     # the deepstack features matter: without them the reply differs
     plain = {k: v for k, v in encoded.items() if k != "image_deepstack"}
     assert asyncio.run(speak(chain, {**text_inputs(payload), **plain}))[0]["token_ids"] != thought["token_ids"]

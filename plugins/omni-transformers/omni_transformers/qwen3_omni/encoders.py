@@ -13,18 +13,24 @@ from ..qwen2_5_omni.encoders import AudioEncoder as QwenAudioEncoder
 from ..qwen2_5_omni.encoders import VisionEncoder as QwenVisionEncoder
 from .thinker import omni_config
 
+# (class, the thinker config's attribute, the checkpoint key prefix of the tower)
+_TOWERS = {"audio": ("Qwen3OmniMoeAudioEncoder", "audio_config", "audio_tower"),
+           "vision": ("Qwen3OmniMoeVisionEncoder", "vision_config", "visual")}
 
-def load_audio_tower(model: str | None, *, dtype: str | None = "auto", device: str = "cpu"):
-    """The audio tower of a whole ``qwen3_omni_moe`` checkpoint (only its weights are read), in eval mode."""
+
+def load_tower(model: str | None, kind: str, *, dtype: str | None = "auto", device: str = "cpu"):
+    """The audio (``kind="audio"``) or vision tower of a whole ``qwen3_omni_moe`` checkpoint (only its weights are
+    read), in eval mode."""
     import transformers
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
 
     transformers.logging.set_verbosity_error()
     path = resolve_model_path(model)
-    config = omni_config(path).thinker_config.audio_config
+    cls_name, sub_name, prefix = _TOWERS[kind]
+    config = getattr(omni_config(path).thinker_config, sub_name)
     want = torch_dtype(dtype)
-    tower = Qwen3OmniMoeAudioEncoder.from_pretrained(
-        path, config=config, local_files_only=True, key_mapping={r"^thinker\.audio_tower\.": ""},
+    tower = getattr(modeling, cls_name).from_pretrained(
+        path, config=config, local_files_only=True, key_mapping={rf"^thinker\.{prefix}\.": ""},
         dtype=want if want is not None else "auto")
     return tower.to(device).eval()
 
@@ -33,7 +39,7 @@ class AudioEncoder(QwenAudioEncoder):
     """The audio tower, as the thinker's ``get_audio_features`` runs it."""
 
     def load_tower(self, model, *, dtype, device):
-        return load_audio_tower(model, dtype=dtype, device=device)
+        return load_tower(model, "audio", dtype=dtype, device=device)
 
     def forward(self, items: list[tuple[list[torch.Tensor], list[int]]]) -> list[torch.Tensor]:
         from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
@@ -53,28 +59,13 @@ class AudioEncoder(QwenAudioEncoder):
         return results
 
 
-def load_vision_tower(model: str | None, *, dtype: str | None = "auto", device: str = "cpu"):
-    """The vision tower of a whole ``qwen3_omni_moe`` checkpoint (only its weights are read), in eval mode."""
-    import transformers
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
-
-    transformers.logging.set_verbosity_error()
-    path = resolve_model_path(model)
-    config = omni_config(path).thinker_config.vision_config
-    want = torch_dtype(dtype)
-    tower = Qwen3OmniMoeVisionEncoder.from_pretrained(
-        path, config=config, local_files_only=True, key_mapping={r"^thinker\.visual\.": ""},
-        dtype=want if want is not None else "auto")
-    return tower.to(device).eval()
-
-
 class VisionEncoder(QwenVisionEncoder):
     """The vision tower, as the thinker's ``get_image_features`` runs it: ``image_embeds`` [n, H] for the
     placeholders and ``image_deepstack`` [layers, n, H], what the thinker adds to the hidden states of its first
     layers at the image positions (the tower's deepstack features)."""
 
     def load_tower(self, model, *, dtype, device):
-        return load_vision_tower(model, dtype=dtype, device=device)
+        return load_tower(model, "vision", dtype=dtype, device=device)
 
     def forward(self, items: list[tuple[torch.Tensor, list[list[int]]]]) -> list[torch.Tensor]:
         grids = [g for _, grid in items for g in grid]
