@@ -1,7 +1,7 @@
 """What the ``openai`` and ``realtime`` APIs of ``omni serve`` share: the adapter option keys they
 both take, the checks of those options against the pipeline, the readers of a stage's stream
 chunks (text, audio, sample rate), the usage and finish reason of a result, audio as PCM16, and
-the one resampler (soxr) of audio going to a pipeline: :func:`resample`.
+the one resampler (soxr) of audio both ways: :func:`resample` whole, :class:`Resampler` as a stream.
 
 Both APIs read a pipeline the same way, so a pipeline set up for one serves the other; this module
 is that one way. It imports nothing heavy (numpy and soxr only inside the audio functions).
@@ -158,6 +158,44 @@ def resample(samples: Any, src: int, dst: int) -> Any:
     import soxr
 
     return soxr.resample(x, src, dst).astype(np.float32, copy=False)
+
+
+class Resampler:
+    """PCM16 chunks at a pipeline's rate in, PCM16 at ``rate`` out, as a stream: soxr's
+    ``ResampleStream`` keeps its filter state from chunk to chunk, so the pieces joined are the
+    whole resampled at once (within a least significant bit or two), with no click at chunk edges.
+    At the target rate already, chunks pass through untouched. The output comes in the resampler's
+    blocks (734 samples at 24 kHz from 16 kHz, about 30 ms), so it trails the input by up to a
+    block (a push may give nothing); :meth:`flush` gives what the filter still holds, once the
+    last chunk is in. Used for OpenAI's 24 kHz speech (``/v1/audio/speech`` pcm and sse) and a
+    realtime session's audio deltas."""
+
+    def __init__(self, rate: int):
+        self.rate = rate
+        self._source: int | None = None
+        self._stream: Any = None
+
+    def push(self, pcm: bytes, source: int) -> bytes:
+        import numpy as np
+
+        if self._source is None:
+            self._source = source
+            if source != self.rate:
+                import soxr
+
+                self._stream = soxr.ResampleStream(source, self.rate, 1, dtype="int16")
+        elif source != self._source:
+            raise ValueError(f"the audio's sample rate changed from {self._source} to {source} Hz mid-stream")
+        if self._stream is None:
+            return pcm
+        return self._stream.resample_chunk(np.frombuffer(pcm, dtype="<i2")).astype("<i2").tobytes()
+
+    def flush(self) -> bytes:
+        import numpy as np
+
+        if self._stream is None:
+            return b""
+        return self._stream.resample_chunk(np.zeros(0, dtype="<i2"), last=True).astype("<i2").tobytes()
 
 
 def wav_bytes(pcm: bytes, sample_rate: int) -> bytes:

@@ -45,8 +45,9 @@ FLAC, OGG or MP3 (whatever soundfile reads), mono or mixed down to mono. Speech 
 body (``model``, ``input``, ``voice``, ``response_format`` wav | pcm | flac | mp3 | opus,
 ``speed``, ``instructions``, ``stream_format`` audio | sse) and answers the audio as it is made: a
 chunked body (``wav`` with an open-ended header at the pipeline's rate, ``pcm``: raw 16-bit
-little-endian mono at 24 kHz as OpenAI documents it, resampled as a stream by :class:`Resampler`
-when the pipeline's rate differs; the ``x-sample-rate`` header says the rate), or with
+little-endian mono at 24 kHz as OpenAI documents it, resampled as a stream by
+:class:`~omni_contrib_stages.api_common.Resampler` when the pipeline's rate differs; the
+``x-sample-rate`` header says the rate), or with
 ``stream_format: "sse"`` the ``speech.audio.delta`` {audio: base64 PCM16 at 24 kHz} events and a
 ``speech.audio.done`` {usage}. flac, mp3 and
 opus are encoded whole at the end with soundfile when its libsndfile writes them (else 400 naming
@@ -68,7 +69,7 @@ from typing import Any
 
 from omni_core.options import Option, parse_options
 
-from .api_common import resample
+from .api_common import Resampler, resample
 
 #: The options schema of ``serve.options.openai.audio``.
 AUDIO_OPTIONS: dict[str, Option] = {
@@ -352,42 +353,6 @@ def by_model(served: dict[str, list[Any]]) -> list[Any]:
             endpoint = dispatcher(path, method, endpoints)
         out.append(Route(path, endpoint, methods=[method]))
     return out
-
-
-class Resampler:
-    """PCM16 chunks at the pipeline's rate in, PCM16 at ``rate`` out, as a stream: soxr's
-    ``ResampleStream`` keeps its filter state from chunk to chunk, so the pieces joined are the
-    whole resampled at once (within a least significant bit or two), with no click at chunk edges.
-    At the target rate already, chunks pass through untouched. The output comes in the resampler's
-    blocks (about 30 ms of audio at 24 kHz), so it trails the input by up to a block; :meth:`flush`
-    gives what the filter still holds, once the last chunk is in."""
-
-    def __init__(self, rate: int = PCM_RATE):
-        self.rate = rate
-        self._source: int | None = None
-        self._stream: Any = None
-
-    def push(self, pcm: bytes, source: int) -> bytes:
-        import numpy as np
-
-        if self._source is None:
-            self._source = source
-            if source != self.rate:
-                import soxr
-
-                self._stream = soxr.ResampleStream(source, self.rate, 1, dtype="int16")
-        elif source != self._source:
-            raise ValueError(f"the audio's sample rate changed from {self._source} to {source} Hz mid-stream")
-        if self._stream is None:
-            return pcm
-        return self._stream.resample_chunk(np.frombuffer(pcm, dtype="<i2")).astype("<i2").tobytes()
-
-    def flush(self) -> bytes:
-        import numpy as np
-
-        if self._stream is None:
-            return b""
-        return self._stream.resample_chunk(np.zeros(0, dtype="<i2"), last=True).astype("<i2").tobytes()
 
 
 async def following(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -797,7 +762,7 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
     async def speech_bytes(first: Any, events: Any, req: dict[str, Any]) -> Any:
         started = False
         rate = None
-        pcm = Resampler() if req["format"] == "pcm" else None  # raw PCM is 24 kHz, as OpenAI's
+        pcm = Resampler(PCM_RATE) if req["format"] == "pcm" else None  # raw PCM is 24 kHz, as OpenAI's
         try:
             async for event in following(first, events):
                 if (found := audio_chunk(event)) is not None:
@@ -828,7 +793,7 @@ def audio_routes(api: Any, opts: dict[str, Any], kind: str, error_body: Any) -> 
             return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
         chunks = 0
-        pcm = Resampler()  # the deltas are raw PCM: 24 kHz, as OpenAI's
+        pcm = Resampler(PCM_RATE)  # the deltas are raw PCM: 24 kHz, as OpenAI's
         try:
             async for event in following(first, events):
                 if event.is_result:

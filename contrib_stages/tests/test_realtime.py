@@ -20,6 +20,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soxr
+from omni_contrib_stages.api_common import Resampler, pcm16
 from omni_contrib_stages.realtime import resample
 
 from omni_core.testing.serve import ServerProcess
@@ -167,8 +169,15 @@ def test_a_spoken_turn_streams_audio_and_transcript_then_done(server):
                                  "response.content_part.added"]
     transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
     assert transcript == "w0 w1 w2 w3 w4"
-    pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    deltas = [base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"]
+    pcm = b"".join(deltas)
     assert len(pcm) == 5 * HOP * 3 // 2 * 2  # five chunks at 16 kHz, resampled to 24 kHz PCM16
+    # One resampling stream (soxr's): the deltas joined are the stage's audio resampled whole, within two PCM16
+    # steps (no click at chunk edges); the first delta is the first chunk less what soxr's filter still holds.
+    stage_pcm = np.concatenate([np.frombuffer(pcm16(stage_chunk()), "<i2")] * 5)
+    whole = soxr.resample(stage_pcm, 16000, RATE)
+    assert np.abs(np.frombuffer(pcm, "<i2").astype(int) - whole).max() <= 2
+    assert len(deltas[0]) // 2 == len(Resampler(RATE).push(pcm16(stage_chunk()), 16000)) // 2 == 2202
     tone = np.frombuffer(pcm, "<i2").astype(np.float32) / 32767
     spectrum = np.abs(np.fft.rfft(tone[:2400]))
     assert abs(np.argmax(spectrum) * RATE / 2400 - 440) <= 10  # the stage's 440 Hz, at the right speed
@@ -470,6 +479,16 @@ def test_the_session_limit_and_idle_sessions_on_a_small_server(tmp_path):
         wait_metric(srv, "omni_realtime_sessions_total", 1, status="idle_timeout")
     finally:
         srv.stop_cleanly()
+
+
+def stage_chunk() -> np.ndarray:
+    """One audio chunk of the test stage (realtime_stages.Voice): 0.5 * a 440 Hz tone, HOP samples at 16 kHz."""
+    import math
+
+    import torch
+
+    t = torch.arange(HOP, dtype=torch.float32) / 16000
+    return (0.5 * torch.sin(2 * math.pi * 440 * t)).numpy()  # as the stage computes it
 
 
 def test_resample_keeps_a_tone_at_its_pitch():

@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import api_common
 from . import protocol
-from .audio import RATE, ms_of, resample, to_float, to_pcm16
+from .audio import RATE, ms_of
 from .conversation import Item
 from .protocol import AUDIO_TEXT, ClientError, new_id
 
@@ -27,6 +27,8 @@ class Response:
         self.first_audio: float | None = None
         self.conversation = "auto"
         self.metadata: Any = None
+        # the pipeline's audio to the client's 24 kHz as one stream (no clicks at chunk edges)
+        self.resampler = api_common.Resampler(RATE)
 
     @property
     def audio(self) -> bool:
@@ -204,6 +206,8 @@ class Responses:
                 await self.send(kind, delta=delta, **ids)
             elif want_audio and event.stage == opts["audio_stage"]:
                 await self._audio(response, ids, event.data)
+        if want_audio and (rest := response.resampler.flush()):  # what the resampler's filter still held
+            await self._send_audio(response, ids, rest)
         counts, _ = api_common.usage_of(result, opts, text_stage)
         if counts is None:
             return None
@@ -214,9 +218,11 @@ class Responses:
         pcm = api_common.audio_of(chunk, self.opts)
         if not pcm:
             return
-        rate = api_common.rate_of(chunk, self.opts)
-        if rate != RATE:
-            pcm = to_pcm16(resample(to_float(pcm), rate, RATE))
+        pcm = response.resampler.push(pcm, api_common.rate_of(chunk, self.opts))
+        if pcm:  # empty while the resampler fills its first block
+            await self._send_audio(response, ids, pcm)
+
+    async def _send_audio(self, response: Response, ids: dict[str, Any], pcm: bytes) -> None:
         await self.send("response.output_audio.delta", delta=base64.b64encode(pcm).decode(), **ids)
         response.item.audio_ms += ms_of(len(pcm))
         if response.first_audio is None:
