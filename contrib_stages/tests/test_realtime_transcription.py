@@ -87,12 +87,24 @@ async def events_until(conn, kind: str, timeout: float = 60.0) -> list:
         raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
 
 
+def uploaded(server, pcm: bytes, **fields):
+    """``POST /v1/audio/transcriptions`` of ``pcm`` as a WAV file to the ASR pipeline, with the SDK."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
+        return sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav"), **fields)
+
+
+async def transcribed_turn(conn, pcm: bytes) -> list:
+    """Append ``pcm`` in 100 ms events, commit it, and read the events up to its transcript's ``.completed``."""
+    for i in range(0, len(pcm), 4800):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
+    await conn.input_audio_buffer.commit()
+    return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+
 def test_each_committed_turn_is_transcribed_by_the_asr_pipeline(server):
     pcm = speech()
     turns = [pcm, pcm[: len(pcm) // 4 * 2]]  # the whole speech, then its first half
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
-        answers = [sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(t), "audio/wav"))
-                   for t in turns]
+    answers = [uploaded(server, t) for t in turns]
     expected = [a.text for a in answers]
     assert all(expected) and expected[0] != expected[1]
 
@@ -105,10 +117,7 @@ def test_each_committed_turn_is_transcribed_by_the_asr_pipeline(server):
             assert updated[-1].session.audio.input.transcription.model == "asr"
             seen = []
             for turn in turns:
-                for i in range(0, len(turn), 4800):
-                    await conn.input_audio_buffer.append(audio=base64.b64encode(turn[i:i + 4800]).decode())
-                await conn.input_audio_buffer.commit()
-                seen.append(await events_until(conn, "conversation.item.input_audio_transcription.completed"))
+                seen.append(await transcribed_turn(conn, turn))
             return seen
 
     seen = asyncio.run(asyncio.wait_for(main(), 180))
@@ -132,8 +141,7 @@ def test_the_same_audio_reaches_the_stage_as_the_same_samples_by_either_path(ser
     from audio_stages import digest
 
     pcm = speech()
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
-        routed = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav")).text
+    routed = uploaded(server, pcm).text
 
     async def main() -> list:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -141,10 +149,7 @@ def test_the_same_audio_reaches_the_stage_as_the_same_samples_by_either_path(ser
             await conn.session.update(session={"type": "realtime", "audio": {"input": {
                 "turn_detection": None, "transcription": {"model": "asr"}}}})
             await events_until(conn, "session.updated")
-            for i in range(0, len(pcm), 4800):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
-            await conn.input_audio_buffer.commit()
-            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return await transcribed_turn(conn, pcm)
 
     spoken = asyncio.run(asyncio.wait_for(main(), 120))[-1].transcript
     samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
@@ -157,10 +162,8 @@ def test_without_timestamps_key_verbose_json_has_one_segment_of_the_whole_file(s
     the whole file, in verbose_json, srt and vtt."""
     pcm = speech()
     seconds = len(pcm) / 2 / 24000
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
-        verbose = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)),
-                                                  response_format="verbose_json")
-        srt = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm)), response_format="srt")
+    verbose = uploaded(server, pcm, response_format="verbose_json")
+    srt = uploaded(server, pcm, response_format="srt")
     assert verbose.duration == pytest.approx(seconds, abs=1e-3)  # of the samples at 16 kHz
     assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, verbose.duration, verbose.text)]
     assert srt.startswith("1\n00:00:00,000 --> ") and srt.count(" --> ") == 1
@@ -184,8 +187,7 @@ def test_a_session_of_the_asr_pipeline_transcribes_with_itself(server):
     """``?model=asr`` opens a session of the ASR pipeline (the server serves several); the beta
     protocol's ``input_audio_transcription`` names the session's own pipeline."""
     pcm = speech()
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
-        want = sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav")).text
+    want = uploaded(server, pcm).text
 
     async def main() -> list:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -195,10 +197,7 @@ def test_a_session_of_the_asr_pipeline_transcribes_with_itself(server):
             await conn.session.update(session={"type": "realtime", "input_audio_transcription": {"model": "asr"},
                                                "audio": {"input": {"turn_detection": None}}})
             await events_until(conn, "session.updated")
-            for i in range(0, len(pcm), 4800):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
-            await conn.input_audio_buffer.commit()
-            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return await transcribed_turn(conn, pcm)
 
     events = asyncio.run(asyncio.wait_for(main(), 120))
     assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
