@@ -103,10 +103,15 @@ class VisionEncoder(Encoder):
         with torch.inference_mode():
             pixels = torch.cat([p for p, _ in items]).to(self.device, self.dtype)
             grid_thw = torch.tensor(grids, dtype=torch.long, device=self.device)
-            out = self.tower(pixels, grid_thw=grid_thw).pooler_output
+            out = self.features(self.tower(pixels, grid_thw=grid_thw))
         merge = self.tower.spatial_merge_size ** 2
         sizes = [sum(t * h * w // merge for t, h, w in grid) for _, grid in items]
-        return list(torch.split(out, sizes))
+        return list(torch.split(out, sizes, dim=-2))
+
+    def features(self, out) -> torch.Tensor:
+        """What a request gets of the tower's output: [image tokens, H] (a family with more per token stacks it
+        in front: [..., image tokens, H])."""
+        return out.pooler_output
 
     async def __call__(self, payload: dict, ctx) -> dict:
         pixels = tensor_input(payload.get("pixel_values"), "the vision encoder's 'pixel_values'")

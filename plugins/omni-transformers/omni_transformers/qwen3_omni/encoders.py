@@ -67,15 +67,8 @@ class VisionEncoder(QwenVisionEncoder):
     def load_tower(self, model, *, dtype, device):
         return load_tower(model, "vision", dtype=dtype, device=device)
 
-    def forward(self, items: list[tuple[torch.Tensor, list[list[int]]]]) -> list[torch.Tensor]:
-        grids = [g for _, grid in items for g in grid]
-        with torch.inference_mode():
-            pixels = torch.cat([p for p, _ in items]).to(self.device, self.dtype)
-            out = self.tower(pixels, grid_thw=torch.tensor(grids, dtype=torch.long, device=self.device))
-            stacked = torch.stack([out.pooler_output, *out.deepstack_features])  # [1 + layers, n, H]
-        merge = self.tower.spatial_merge_size ** 2
-        sizes = [sum(t * h * w // merge for t, h, w in grid) for _, grid in items]
-        return list(torch.split(stacked, sizes, dim=1))
+    def features(self, out) -> torch.Tensor:
+        return torch.stack([out.pooler_output, *out.deepstack_features])  # [1 + layers, image tokens, H]
 
     async def __call__(self, payload: dict, ctx) -> dict:
         out = await super().__call__(payload, ctx)
