@@ -164,9 +164,3 @@ async def until(predicate, what: str, deadline_s: float = 5.0, poll_s: float = 0
         if loop.time() > deadline:
             pytest.fail(f"not within {deadline_s:g} s: {what}")
         await asyncio.sleep(poll_s)
-
-
-async def turns(n: int = 5) -> None:
-    """Let the loop turn ``n`` times (what the parts scheduled runs)."""
-    for _ in range(n):
-        await asyncio.sleep(0)

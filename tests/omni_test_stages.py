@@ -32,13 +32,16 @@ class AddSuffix:
 
 
 class Tokens:
-    """Emits each character as a chunk, then returns the whole text."""
+    """Emits each character as a chunk, then returns the whole text. ``emits``: how many emits
+    it started (the last one may be waiting for a credit)."""
 
     def __init__(self, delay: float = 0.0):
         self.delay = delay
+        self.emits = 0
 
     async def __call__(self, payload, ctx):
         for ch in payload["text"]:
+            self.emits += 1
             await ctx.emit({"token": ch})
             if self.delay:
                 await asyncio.sleep(self.delay)
@@ -135,10 +138,15 @@ class Echo:
 
 
 class StreamThenReturn:
-    """Emits n chunks to its stream_to targets, then returns its payload."""
+    """Emits n chunks to its stream_to targets, then returns its payload. ``emits``: how many
+    emits it started (the last one may be waiting for a credit)."""
+
+    def __init__(self):
+        self.emits = 0
 
     async def __call__(self, payload, ctx):
         for i in range(payload.get("n", 3)):
+            self.emits += 1
             await ctx.emit({"i": i})
         return payload
 
@@ -485,10 +493,12 @@ class EarlyReader:
     payload (``payload is PENDING``), writes ``marker`` (``"started"``) when its call starts,
     reads the stream from ``source``, then waits for its payload (unless ``ask`` is false: it
     returns without it); ``raise_first`` raises before asking for it. Cancelled (an abort), it
-    writes ``"cancelled"`` to ``marker``."""
+    writes ``"cancelled"`` to ``marker``. ``asked``: how many calls read their stream to its end
+    and asked for their payload."""
 
     def __init__(self, source: str, marker: str = "", raise_first: bool = False, ask: bool = True):
         self.source, self.marker, self.raise_first, self.ask = source, marker, raise_first, ask
+        self.asked = 0
 
     async def __call__(self, payload, ctx):
         from omni_core import PENDING
@@ -500,6 +510,7 @@ class EarlyReader:
             got = [c.get("i", c.get("token")) async for c in ctx.stream_from(self.source)]
             if self.raise_first:
                 raise RuntimeError("the reader failed before its payload came")
+            self.asked += self.ask
             payload = await ctx.payload() if self.ask else None
         except asyncio.CancelledError:
             if self.marker:

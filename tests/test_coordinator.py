@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_endpoint import FakeEndpoint, aio, turns, until
+from fake_endpoint import FakeEndpoint, aio, until
 
 from omni_core import load_config
 from omni_core.errors import Overloaded, PipelineClosed, RequestAborted, RequestTimeout, StageError
@@ -34,6 +34,19 @@ def stage(name: str, factory: str = "Echo", **fields) -> dict:
     return {"name": name, "factory": f"{STAGES}:{factory}", **fields}
 
 
+class _Lifecycle(Lifecycle):
+    """A :class:`Lifecycle` that counts who waits for the pipeline to run again (a retry does)."""
+
+    waiting = 0
+
+    async def wait_running(self, timeout: float | None) -> None:
+        self.waiting += 1
+        try:
+            await super().wait_running(timeout)
+        finally:
+            self.waiting -= 1
+
+
 class Rig:
     """A coordinator bound to the plan of ``stages``, every process live, the pipeline running."""
 
@@ -46,7 +59,7 @@ class Rig:
         self.plan = build_plan(self.config, registry, devices=())
         self.ep = FakeEndpoint(self.config, registry)
         self.ep.open(addresses=dict(endpoints(self.plan, "/nonexistent")))
-        self.lc = Lifecycle("co")
+        self.lc = _Lifecycle("co")
         self.handles = {p.name: SimpleNamespace(exitcode=None) for p in self.plan.processes}
         self.lc.handles.update(self.handles)
         self.co = Coordinator(self.config, registry, self.ep, self.lc)
@@ -54,10 +67,27 @@ class Rig:
         self.lc.set("running")
 
     async def submit(self, inputs=None, **kw) -> asyncio.Task:
-        """Start a request and let it be admitted (its inputs sent)."""
+        """Start a request and let it be admitted (its inputs sent), refused, or wait for the
+        pipeline to run again."""
+        sent, waiting = len(self.ep.of_type(wire.Data)), self.lc.waiting
         task = asyncio.ensure_future(self.co.submit({"text": "x"} if inputs is None else inputs, **kw))
-        await turns()
+        await until(lambda: task.done() or len(self.ep.of_type(wire.Data)) > sent or self.lc.waiting > waiting,
+                    "the request's inputs sent, or the request refused or waiting")
         return task
+
+    async def stream(self, inputs=None) -> tuple:
+        """Start a streamed request, its inputs sent: its events and the wait for its first."""
+        sent = len(self.ep.of_type(wire.Data))
+        events = self.co.stream({"text": "x"} if inputs is None else inputs)
+        first = asyncio.ensure_future(events.__anext__())
+        await until(lambda: first.done() or len(self.ep.of_type(wire.Data)) > sent, "the stream's inputs sent")
+        return events, first
+
+    def pending(self, rid: int) -> bool:
+        """Request ``rid`` is in flight, unanswered (every message received so far was handled)."""
+        assert self.co.state()["ordered"] == 0, "a received message still waits to be handled"
+        req = self.co.requests.get(rid)
+        return req is not None and not req.future.done()
 
     def result(self, rid: int, stage: str, payload, **kw) -> None:
         self.ep.receive_data("result", rid, stage, payload, src=stage, origin=self.co._uses[stage][0][0], **kw)
@@ -132,11 +162,9 @@ async def test_every_terminal_stage_answers_before_a_multi_terminal_result(rigs)
     rig = rigs(*fan_out())
     task = await rig.submit()
     rig.result(1, "c", {"v": "c"})
-    await turns()
-    assert not task.done()
+    assert rig.pending(1)
     rig.result(1, "c", {"v": "c-again"})  # a repeat replaces, and completes nothing
-    await turns()
-    assert not task.done()
+    assert rig.pending(1)
     rig.result(1, "b", {"v": "b"})
     assert await task == {"b": {"v": "b"}, "c": {"v": "c-again"}}
     rig.assert_empty()
@@ -151,8 +179,7 @@ async def test_terminal_stages_fn_chooses_which_terminals_answer(rigs):
     rig.result(1, "c", {"v": "c"})
     assert await one == {"v": "c"}  # one terminal: its result alone
     rig.result(2, "b", {"v": "b"})
-    await turns()
-    assert not both.done()
+    assert rig.pending(2)
     rig.result(2, "c", {"v": "c"})
     assert await both == {"b": {"v": "b"}, "c": {"v": "c"}}
     rig.assert_empty()
@@ -299,9 +326,7 @@ async def test_a_request_id_in_flight_cannot_be_used_twice_but_can_once_it_ended
 @aio
 async def test_a_stream_yields_chunks_in_order_and_gives_credits_back_per_batch(rigs):
     rig = rigs(*LINE, limits={"stream_buffer": 8})  # credits go back two at a time
-    events = rig.co.stream({"text": "x"})
-    first = asyncio.ensure_future(events.__anext__())
-    await turns()
+    events, first = await rig.stream()
     for i in range(5):
         rig.ep.receive_data("event", 1, "b", {"i": i}, src="b", origin="b")
     got = [await first] + [await events.__anext__() for _ in range(4)]
@@ -336,9 +361,7 @@ async def test_chunks_of_a_submitted_request_give_their_credit_back_at_once(rigs
 @aio
 async def test_a_failed_stream_ends_with_the_stage_error_after_its_chunks(rigs):
     rig = rigs(*LINE)
-    events = rig.co.stream({"text": "x"})
-    first = asyncio.ensure_future(events.__anext__())
-    await turns()
+    events, first = await rig.stream()
     rig.ep.receive_data("event", 1, "b", {"i": 0}, src="b", origin="b")
     rig.ep.receive(wire.Failed(1, "b", "RuntimeError", "boom", "Traceback: boom"))
     assert (await first).data == {"i": 0}
@@ -350,9 +373,7 @@ async def test_a_failed_stream_ends_with_the_stage_error_after_its_chunks(rigs):
 @aio
 async def test_a_stream_the_caller_abandons_aborts_its_request(rigs):
     rig = rigs(*LINE)
-    events = rig.co.stream({"text": "x"})
-    first = asyncio.ensure_future(events.__anext__())
-    await turns()
+    events, first = await rig.stream()
     rig.ep.receive_data("event", 1, "b", {"i": 0}, src="b", origin="b")
     await first
     await events.aclose()
@@ -382,8 +403,7 @@ async def test_dropping_every_terminal_fails_with_no_result(rigs):
     rig = rigs(*fan_out(route_fn=f"{STAGES}:route_by_field"))
     task = await rig.submit()
     rig.ep.receive(wire.Dropped(1, "src", ["b"]))
-    await turns()
-    assert not task.done()
+    assert rig.pending(1)
     rig.ep.receive(wire.Dropped(1, "src", ["c"]))
     with pytest.raises(StageError) as err:
         await task
@@ -441,7 +461,7 @@ async def test_messages_of_ended_requests_are_ignored(rigs):
     rig.ep.receive(wire.Failed(1, "b", "RuntimeError", "late", ""))
     rig.ep.receive(wire.Dropped(1, "src", ["b", "c"]))
     rig.ep.receive(wire.Data("result", 1, "req-1", "b", "b", b"\xc1", "shm", b"", 3))  # broken too
-    await turns()
+    await until(lambda: rig.co.state()["ordered"] == 0, "every message handled")
     assert len(rig.ep.sent) == sent
     assert rig.co.abort("req-1") is False
     rig.assert_empty()
@@ -467,8 +487,7 @@ async def test_a_failure_behind_a_result_still_being_fetched_is_handled_after_it
     gate = _slow_gets(rig.ep)
     rig.result(1, "b", {"t": torch.ones(3)})  # its tensors are on their way in
     rig.ep.receive(wire.Failed(1, "b", "RuntimeError", "sent after the result", ""))
-    await turns()
-    assert not task.done() and rig.co.state()["ordered"] == 1
+    assert not task.done() and rig.co.in_flight() == 1 and rig.co.state()["ordered"] == 1
     gate.set()
     out = await task
     assert torch.equal(out["t"], torch.ones(3))  # the result came first: the failure is late
@@ -478,16 +497,13 @@ async def test_a_failure_behind_a_result_still_being_fetched_is_handled_after_it
 @aio
 async def test_a_stream_chunk_still_being_fetched_is_read_before_the_failure_behind_it(rigs):
     rig = rigs(*LINE)
-    events = rig.co.stream({"text": "x"})
-    first = asyncio.ensure_future(events.__anext__())
-    await turns()
+    events, first = await rig.stream()
     gate = _slow_gets(rig.ep)
     rig.ep.receive_data("event", 1, "b", {"t": torch.zeros(2)}, src="b", origin="b")
     rig.ep.receive_data("event", 1, "b", {"i": 1}, src="b", origin="b")  # no tensors: waits behind it
     rig.ep.receive(wire.Dropped(1, "b", []))
     rig.ep.receive(wire.Failed(1, "b", "RuntimeError", "after two chunks", ""))
-    await turns()
-    assert not first.done()
+    assert rig.co.in_flight() == 1 and rig.co.state()["ordered"] == 1 and not first.done()
     gate.set()
     assert torch.equal((await first).data["t"], torch.zeros(2))
     assert (await events.__anext__()).data == {"i": 1}
@@ -506,7 +522,7 @@ async def test_a_request_that_ends_while_its_result_is_fetched_drops_it(rigs):
     gate.set()
     with pytest.raises(RequestAborted, match="'gone' was aborted"):
         await task
-    await turns()
+    await until(lambda: rig.co.state()["ordered"] == 0, "the fetched result dropped")
     rig.assert_empty()
 
 
@@ -620,7 +636,7 @@ async def test_requests_time_out_in_admission_order(rigs):
     for i in (0, 2, 3):
         with pytest.raises(RequestTimeout, match=r"took longer than limits.request_timeout \(0.1 s\)"):
             await tasks[i]
-    await turns()
+    await until(lambda: len(done_order) == 3, "the three requests' ends seen")
     assert done_order == ["r1", "r3", "r4"]
     aborted = list(dict.fromkeys(m.rid for m in rig.ep.of_type(wire.Abort)))
     assert aborted == [1, 3, 4]
@@ -688,7 +704,7 @@ async def test_drain_waits_for_the_requests_in_flight_until_its_deadline(rigs):
     t1, t2 = await rig.submit(), await rig.submit()
     drain = asyncio.ensure_future(rig.co.drain(time.monotonic() + 5))
     rig.result(1, "b", 1)
-    await turns()
+    await until(t1.done, "request 1 answered")
     assert not drain.done()
     rig.result(2, "b", 2)
     await drain
@@ -713,8 +729,9 @@ async def test_nothing_is_left_behind_after_many_mixed_requests(rigs):
     outcomes: dict[str, int] = {}
     for batch in range(4):
         first = batch * 50 + 1
+        sent = len(rig.ep.of_type(wire.Data))
         tasks = {rid: asyncio.ensure_future(rig.co.submit({"i": rid})) for rid in range(first, first + 50)}
-        await turns()
+        await until(lambda s=sent: len(rig.ep.of_type(wire.Data)) == s + 50, "the 50 requests' inputs sent")
         assert rig.co.in_flight() == 50
         for rid, task in tasks.items():
             kind = rid % 6
@@ -782,7 +799,7 @@ async def test_a_retryable_request_runs_again_under_a_new_rid_once_running(rigs)
     assert not task.done() and rig.co.by_id == {"mine": 2} and list(rig.co.requests) == [2]
     assert ("Abort", "a", 1, 2) in rig.ends()
     assert rig.co.ended() == (2, ())
-    await turns()
+    await until(lambda: rig.lc.waiting == 1, "the retry waits for the group to be back")
     assert len([m for m in rig.sent_to("a") if type(m) is wire.Data]) == 1, "nothing is sent while the group restarts"
     rig.lc.set("running")
     await until(lambda: len([m for m in rig.sent_to("a") if type(m) is wire.Data]) == 2, "the retry sent")

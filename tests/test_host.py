@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from fake_endpoint import FakeEndpoint, aio, turns, until
+from fake_endpoint import FakeEndpoint, aio, until
 
 from omni_core import load_config
 from omni_core.config import to_dict
@@ -203,7 +203,7 @@ async def test_a_wait_for_fn_chooses_the_sources_a_fan_in_waits_for(tmp_path):
         assert rig.payload(msg) == {"text": "X"}
         rig.work(1, "join", {"text": "Y"}, src="y", origin="y")  # not waited for: dropped
         rig.work(2, "join", {"text": "Y"}, src="y", origin="y")  # None: every source
-        await turns()
+        await until(lambda: rig.state() == {"stage.join.fan_in": 2}, "request 2's part from y held")
         assert len(rig.data()) == 1
         rig.work(2, "join", {"text": "X"}, src="x", origin="x")
         msgs = await rig.sent(wire.Data, 2, to="")
@@ -261,9 +261,8 @@ async def test_unusable_data_messages_fail_their_request_only(tmp_path):
         (msg,) = await rig.sent(wire.Data, to="b")
         assert msg.rid == 5 and rig.payload(msg) == {"text": "FINE"}
         rig.work(1, "a", {"text": "late"})  # its request failed here: dropped
-        await turns()
-        assert len(rig.data()) == 1
         await until(lambda: rig.state() == {"ended": 4}, "only the failed requests are remembered")
+        assert len(rig.data()) == 1
 
 
 @aio
@@ -305,7 +304,7 @@ async def test_an_abort_cancels_the_running_call_and_frees_its_state(tmp_path):
         await until(lambda: waiter.cancelled == ["req-1"], "request 1's call is cancelled")
         await until(lambda: rig.state() == {"ended": 1, "stage.w.running": 1}, "request 1's call is gone")
         rig.work(1, "w", {"n": 1})  # late: its request ended
-        await turns()
+        await until(lambda: rig.state() == {"ended": 1, "stage.w.running": 1}, "the late payload dropped")
         assert waiter.started == ["req-1", "req-2"]
         waiter.gate.set()
         (msg,) = await rig.sent(wire.Data, to="")
@@ -329,8 +328,8 @@ async def test_forget_with_a_floor_drops_late_messages_and_state_below_it(tmp_pa
             rig.ep.receive(wire.StreamEnd(rid, "join", "y"))
         rig.ep.receive(wire.Forget(0, 2))  # a floor below the current one moves nothing
         assert rig.host.floor == 3
-        await turns()
-        assert rig.ep.sent == [] and rig.state() == {"ended": 1, "stage.join.fan_in": 1}
+        await until(lambda: rig.state() == {"ended": 1, "stage.join.fan_in": 1}, "the late messages dropped")
+        assert rig.ep.sent == []
         rig.work(4, "join", {"text": "Y"}, src="y", origin="y")
         (msg,) = await rig.sent(wire.Data, to="")
         assert msg.rid == 4 and rig.payload(msg) == {"text": "X+Y"}
@@ -387,12 +386,12 @@ async def test_a_producer_waits_for_credits_and_ends_its_stream(tmp_path):
     async with hosted(tmp_path, *STREAM, process="src", limits={"stream_buffer": 4}) as rig:
         rig.work(1, "src", {"n": 6})
         chunks = await rig.sent(wire.Data, 4, to="sink", what="a window's worth of chunks")
-        await turns()
+        await until(lambda: rig.obj("src").emits == 5, "the fifth chunk waits for a credit")
         assert len(rig.data("sink")) == 4 and rig.state() == {"stage.src.running": 1, "windows": 1}
         assert [(m.kind, m.stage, m.src, m.origin) for m in chunks] == [("chunk", "sink", "src", "src")] * 4
         rig.ep.receive(wire.Credit(1, "sink", "src", 1))
         await until(lambda: len(rig.data("sink")) == 5, "one chunk more per credit")
-        await turns()
+        await until(lambda: rig.obj("src").emits == 6, "the sixth chunk waits for a credit")
         assert len(rig.data("sink")) == 5
         rig.ep.receive(wire.Credit(1, "sink", "src", 3))
         await until(lambda: len(rig.data("sink", "work")) == 1, "the call returns")
@@ -420,7 +419,7 @@ async def test_a_terminal_stage_streams_to_the_caller_within_its_credits(tmp_pat
                       limits={"stream_buffer": 4}) as rig:
         rig.work(1, "tok", {"text": "abcdef"})
         events = await rig.sent(wire.Data, 4, to="", what="four events")
-        await turns()
+        await until(lambda: rig.obj("tok").emits == 5, "the fifth event waits for a credit")
         assert len(rig.data("")) == 4
         assert [(m.kind, m.stage, m.src, m.origin) for m in events] == [("event", "tok", "tok", "tok")] * 4
         rig.ep.receive(wire.Credit(1, "", "tok", 4))  # the caller read them
@@ -440,7 +439,7 @@ async def test_an_abort_while_waiting_for_credit_ends_the_call(tmp_path):
         rig.ep.receive(wire.Abort(1, 2))
         await until(lambda: rig.state() == {}, "the call and its window are gone")
         rig.ep.receive(wire.Credit(1, "", "tok", 2))  # late: harmless
-        await turns()
+        await until(lambda: rig.state() == {}, "the late credit left nothing behind")
         assert len(rig.data()) == 2 and rig.ep.of_type(wire.Failed) == []
 
 
@@ -469,7 +468,7 @@ async def test_a_reader_that_accepts_its_stream_first_starts_on_the_first_chunk(
         await until(lambda: rig.state().get("stage.sink.awaiting") == 1, "the call starts without its payload")
         rig.chunk(1, "sink", {"i": 1}, src="src", origin="src")
         rig.ep.receive(wire.StreamEnd(1, "sink", "src"))
-        await turns()
+        await until(lambda: rig.obj("sink").asked == 1, "the call read its stream and waits for its payload")
         assert rig.ep.of_type(wire.Data) == []
         rig.work(1, "sink", {"n": 2}, src="src", origin="src")
         (msg,) = await rig.sent(wire.Data, to="")

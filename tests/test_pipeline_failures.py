@@ -188,7 +188,8 @@ def test_malformed_control_messages_are_dropped_and_the_process_keeps_serving():
             for junk in ([b"\x00garbage"], [b"\x93\x01\x02"], [b""], [b"\x91\xa1d", b"extra"]):
                 sock.send_multipart(junk)
             sock.close(linger=1000)
-            await asyncio.sleep(0.1)
+            await until_state(p, lambda s: s["a"].get("inbox.refused", 0) + s["a"].get("inbox.malformed", 0) == 4,
+                              "process a dropped the four messages")
             return await p.submit({"text": "still here"})
 
     assert arun(body()) == {"text": "STILL HERE"}

@@ -79,6 +79,7 @@ class Inbox:
         #: The run's secret: a message whose MAC does not verify is dropped (b"": no MAC).
         self.sealer = wire.Sealer(secret) if secret else None
         self.refused = 0
+        self.malformed = 0  # messages dropped because they could not be read
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -132,6 +133,7 @@ class Inbox:
             try:
                 msg = wire.decode(body)
             except Exception as exc:
+                self.malformed += 1
                 log.warning("dropped a malformed control message", inbox=self.name, error=str(exc))
                 continue
             if type(msg) is wire.Batch:
@@ -145,6 +147,7 @@ class Inbox:
     def _unbatch(self, messages: list, frames: list) -> None:
         counts = [m.nframes if type(m) is wire.Data else 0 for m in messages]
         if sum(counts) != len(frames) - 1:
+            self.malformed += 1
             log.warning("dropped a malformed control message", inbox=self.name,
                         error=f"a batch announced {sum(counts)} frames and carried {len(frames) - 1}")
             return
@@ -503,6 +506,11 @@ class ZmqTransport(Outbox):
     def refused(self) -> int:
         """How many messages the inbox refused for lacking the run's MAC."""
         return self._inbox.refused if self._inbox is not None else 0
+
+    @property
+    def malformed(self) -> int:
+        """How many messages the inbox dropped because they could not be read."""
+        return self._inbox.malformed if self._inbox is not None else 0
 
     def close_inbox(self) -> None:
         if self._inbox is not None:

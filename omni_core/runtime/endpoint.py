@@ -237,6 +237,10 @@ class Endpoint:
         out = {"ordered": len(self.ordered)}
         if self._opened:
             out.update(self.edges.state())
+        for dropped in ("refused", "malformed"):  # what the inbox dropped, once it dropped any
+            count = getattr(self.transport, dropped, 0)
+            if count:
+                out[f"inbox.{dropped}"] = count
         return out
 
     def close_inbox(self) -> None:
