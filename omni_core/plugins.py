@@ -1,6 +1,9 @@
 """Plugin discovery and loading.
 
-Every plugin, omni-core's own built-ins included, comes through the ``omni`` entry-point group.
+omni-core's own built-ins (:data:`BUILTIN_PLUGINS`: its functions, launchers, placements and
+relays) are registered from code, as pytest's default plugins are, so they are there even where the
+distribution's entry points are missing: the runtime relies on them (the caller's edges use the
+built-in ``inline`` relay). Every other plugin comes through the ``omni`` entry-point group.
 Loading is idempotent and cheap, because it runs again in every process omni spawns.
 
 A plugin is identified by its distribution and entry-point name, ``dist:name`` (``omni-core:
@@ -10,7 +13,8 @@ clash with a third-party entry point.
 Environment (read when plugins load, not at import), each a comma-separated list of plugin ids
 (``dist:name``), entry-point names or distribution names:
 
-- ``OMNI_DISABLED_PLUGINS``: never load these.
+- ``OMNI_DISABLED_PLUGINS``: never load these. A built-in the runtime needs
+  (:data:`REQUIRED_BUILTINS`: ``omni.relays``) loads anyway, with a warning that says why.
 - ``OMNI_LOAD_PLUGINS``: load only these third-party plugins; omni-core's built-ins still load
   unless disabled. Set it empty to load no third-party plugin at all.
 
@@ -24,6 +28,8 @@ error, not raised: listing still works, and only using a name it would have prov
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib
 import inspect
 import os
 import traceback
@@ -51,6 +57,19 @@ from .registry import (
 
 ENTRY_POINT_GROUP = "omni"
 CORE_DISTRIBUTION = "omni-core"
+
+#: omni-core's built-in plugins, ``(name, module)``, registered from code in this order.
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("omni.functions", "omni_core.builtin.functions"),
+    ("omni.launchers", "omni_core.builtin.launchers"),
+    ("omni.placements", "omni_core.builtin.placements"),
+    ("omni.relays", "omni_core.builtin.relays"),
+)
+
+#: Built-ins that OMNI_DISABLED_PLUGINS cannot turn off, with why: the runtime uses them.
+REQUIRED_BUILTINS: dict[str, str] = {
+    "omni.relays": "the caller's edges, splits and TP copies use its 'inline' relay",
+}
 
 hookimpl = pluggy.HookimplMarker("omni")
 
@@ -178,14 +197,40 @@ def _is_core(ep: metadata.EntryPoint) -> bool:
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
-    """Every entry point of the ``omni`` group: omni-core's first, then by name."""
+    """Every third-party entry point of the ``omni`` group, by name (omni-core's own are its
+    built-ins, registered from code: an older install's entry points for them are not read)."""
     found: dict[tuple[str, str], metadata.EntryPoint] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if _is_core(ep):
+            continue
         # The same distribution can be visible twice on sys.path (e.g. an editable install and
         # a source checkout); count it once.
         dist = normalize_distribution(ep.dist.name) if ep.dist else ""
         found.setdefault((dist, ep.name), ep)
-    return sorted(found.values(), key=lambda ep: (not _is_core(ep), ep.name))
+    return sorted(found.values(), key=lambda ep: ep.name)
+
+
+def _core_version() -> str | None:
+    try:
+        return metadata.version(CORE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return None
+
+
+def _builtins(disabled: set[str], registry: Registry, warnings: list[str]) -> list[tuple[PluginInfo, Callable[[], object]]]:
+    """omni-core's built-ins to load: every one not disabled, and the required ones always."""
+    out: list[tuple[PluginInfo, Callable[[], object]]] = []
+    version = _core_version()
+    for name, module in BUILTIN_PLUGINS:
+        if _matches(_selectors(name, CORE_DISTRIBUTION), disabled):
+            why = REQUIRED_BUILTINS.get(name)
+            if why is None:
+                registry.skipped.append(f"plugin {name!r} (disabled by OMNI_DISABLED_PLUGINS)")
+                continue
+            warnings.append(f"OMNI_DISABLED_PLUGINS: {name!r} cannot be disabled ({why}); it is loaded")
+        info = PluginInfo(name=name, module=module, distribution=CORE_DISTRIBUTION, version=version, builtin=True)
+        out.append((info, functools.partial(importlib.import_module, module)))
+    return out
 
 
 def _error_text(exc: BaseException) -> str:
@@ -394,8 +439,9 @@ def load_plugins(
     registry = Registry()
     infos: list[PluginInfo] = []
 
-    candidates: list[tuple[PluginInfo, Callable[[], object]]] = []
-    known: list[set[str]] = []
+    required: list[str] = []
+    candidates = _builtins(disabled, registry, required)
+    known: list[set[str]] = [_selectors(name, CORE_DISTRIBUTION) for name, _ in BUILTIN_PLUGINS]
     for ep in _entry_points():
         dist = ep.dist.name if ep.dist else None
         known.append(_selectors(ep.name, dist))
@@ -408,7 +454,6 @@ def load_plugins(
             module=ep.value,
             distribution=dist,
             version=ep.dist.version if ep.dist else None,
-            builtin=_is_core(ep),
         )
         candidates.append((info, ep.load))
     for name, obj in extra:
@@ -419,7 +464,7 @@ def load_plugins(
         info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
         candidates.append((info, _given(obj)))
 
-    warnings = (_unknown_selectors("OMNI_LOAD_PLUGINS", env.get("OMNI_LOAD_PLUGINS"), known)
+    warnings = required + (_unknown_selectors("OMNI_LOAD_PLUGINS", env.get("OMNI_LOAD_PLUGINS"), known)
                 + _unknown_selectors("OMNI_DISABLED_PLUGINS", env.get("OMNI_DISABLED_PLUGINS"), known))
     for info, load in candidates:
         infos.append(info)

@@ -22,7 +22,7 @@ from omni_core.relay.inline import inline_transfer
 from omni_core.relay.payload import pack
 from omni_core.runtime import wire
 from omni_core.runtime.endpoint import Endpoint
-from omni_core.runtime.types import CALLER_RELAY
+from omni_core.runtime.types import INLINE_RELAY
 
 
 class RecordingTransport:
@@ -113,7 +113,7 @@ class FakeEndpoint(Endpoint):
             self.receive(wire.Data(kind, rid, request_id, stage, src, skeleton, origin=origin))
             return
         transfer = inline_transfer(tensors)
-        self.receive(wire.Data(kind, rid, request_id, stage, src, skeleton, CALLER_RELAY, transfer.handle,
+        self.receive(wire.Data(kind, rid, request_id, stage, src, skeleton, INLINE_RELAY, transfer.handle,
                                len(transfer.frames), origin), list(transfer.frames))
 
     # -- what was sent -----------------------------------------------------------------------------

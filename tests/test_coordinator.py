@@ -11,6 +11,7 @@ import gc
 import time
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
 from fake_endpoint import FakeEndpoint, aio, until
@@ -19,6 +20,8 @@ from omni_core import load_config
 from omni_core.errors import Overloaded, PipelineClosed, RequestAborted, RequestTimeout, StageError
 from omni_core.plan.topology import build_plan, endpoints
 from omni_core.plugins import get_registry
+from omni_core.registry import Registry
+from omni_core.relay.inline import InlineRelay
 from omni_core.relay.payload import unpack
 from omni_core.runtime import wire
 from omni_core.runtime.coordinator import Coordinator
@@ -50,12 +53,12 @@ class _Lifecycle(Lifecycle):
 class Rig:
     """A coordinator bound to the plan of ``stages``, every process live, the pipeline running."""
 
-    def __init__(self, *stages: dict, limits: dict | None = None, **fields):
+    def __init__(self, *stages: dict, limits: dict | None = None, registry: Registry | None = None, **fields):
         data = {"name": "co", "stages": list(stages), **fields}
         if limits:
             data["limits"] = limits
         self.config = load_config(data)
-        registry = get_registry()
+        registry = registry or get_registry()
         self.plan = build_plan(self.config, registry, devices=())
         self.ep = FakeEndpoint(self.config, registry)
         self.ep.open(addresses=dict(endpoints(self.plan, "/nonexistent")))
@@ -155,6 +158,36 @@ async def test_results_with_tensors_come_back_through_the_inline_relay(rigs):
     out = await task
     assert torch.equal(out["x"], torch.full((4,), 2.0)) and out["n"] == 1
     rig.assert_empty()
+
+
+class _CountedInline(InlineRelay):
+    """``inline``, counting the tensors each put and get moved (``moved``, class-wide)."""
+
+    moved: list[tuple[str, int]] = []
+
+    async def put(self, request_id, tensors, target):
+        self.moved.append(("put", len(tensors)))
+        return await super().put(request_id, tensors, target)
+
+    async def get(self, handle, frames=()):
+        tensors = await super().get(handle, frames)
+        self.moved.append(("get", len(tensors)))
+        return tensors
+
+
+@aio
+async def test_the_callers_edges_take_their_relay_from_the_registry(rigs):
+    """The caller's edges are ordinary edges: their relay ('inline') is the registry's, in and out."""
+    registry = Registry()
+    for entry in get_registry().entries():
+        registry.add(attrs.evolve(entry, target=_CountedInline) if (entry.kind, entry.name) == ("relay", "inline")
+                     else entry)
+    _CountedInline.moved.clear()
+    rig = rigs(*LINE, registry=registry)
+    task = await rig.submit({"x": torch.ones(3), "y": torch.zeros(2)})
+    rig.result(1, "b", {"x": torch.full((4,), 2.0)})
+    assert torch.equal((await task)["x"], torch.full((4,), 2.0))
+    assert _CountedInline.moved == [("put", 2), ("get", 1)]
 
 
 @aio

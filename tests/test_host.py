@@ -22,7 +22,7 @@ from omni_core.plugins import get_registry
 from omni_core.relay.payload import unpack
 from omni_core.runtime import wire
 from omni_core.runtime.host import Host
-from omni_core.runtime.types import Bootstrap
+from omni_core.runtime.types import Bootstrap, caller_edges
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -99,7 +99,7 @@ async def hosted(tmp_path, *stages: dict, process: str, limits: dict | None = No
         run_id="test-run", runtime_dir=runtime_dir, config=to_dict(cfg), process=spec,
         addresses=dict(endpoints(plan, runtime_dir)),
         routes={s.name: plan.processes_of(s.name) for s in cfg.stages},
-        edge_relays={(e.src, e.dst, e.kind): e.relay for e in plan.edges},
+        edge_relays={(e.src, e.dst, e.kind): e.relay for e in plan.edges} | caller_edges(cfg),
         env={}, parent_pid=os.getpid(), followers=tuple(plan.followers(spec.name)),
     )
     config = structure(boot.config)

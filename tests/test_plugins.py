@@ -362,6 +362,25 @@ def test_builtins_can_be_disabled_too(load):
     assert plugins.registry.names("merge") == []
 
 
+def test_builtins_are_registered_from_code_even_without_their_entry_points(load):
+    """The built-ins do not depend on omni-core's installed metadata: with no entry point at all
+    (an install that lost them, a source tree), every one is there, with its version."""
+    with mock.patch("omni_core.plugins.metadata.entry_points", return_value=[]):
+        plugins = load("")
+    assert set(plugins.names()) == BUILTINS and all(i.builtin and not i.error for i in plugins.infos)
+    assert {"inline", "shm"} <= set(plugins.registry.names("relay")) and "local" in plugins.registry.names("launcher")
+    assert plugins.info("omni-core:omni.relays").distribution == "omni-core"
+
+
+def test_a_builtin_the_runtime_needs_cannot_be_disabled(load):
+    """omni.relays holds ``inline``, the relay of the caller's edges: disabling it is a warning."""
+    plugins = load("", OMNI_DISABLED_PLUGINS="omni.relays,omni.placements")
+    assert "omni.relays" in plugins.names() and "inline" in plugins.registry.names("relay")
+    assert "omni.placements" not in plugins.names()
+    assert plugins.warnings == ["OMNI_DISABLED_PLUGINS: 'omni.relays' cannot be disabled (the caller's edges, splits "
+                                "and TP copies use its 'inline' relay); it is loaded"]
+
+
 # -- conflicts ---------------------------------------------------------------------------------------
 
 
@@ -435,8 +454,8 @@ def test_plugins_are_identified_by_distribution_and_entry_point(load):
 
 
 def test_disabling_by_id_and_by_plain_name(load):
-    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni-core:omni.relays").names()
-    assert "omni.relays" not in load("", OMNI_DISABLED_PLUGINS="omni.relays").names()
+    assert "omni.placements" not in load("", OMNI_DISABLED_PLUGINS="omni-core:omni.placements").names()
+    assert "omni.placements" not in load("", OMNI_DISABLED_PLUGINS="omni.placements").names()
     assert "good" not in load("good", OMNI_DISABLED_PLUGINS="omnitest_good:good").names()
 
 

@@ -34,7 +34,7 @@ from .lifecycle import Lifecycle
 from .replies import Replies
 from .requests import Event, Graph, Request, unsent
 from .retries import Retries, retry_config
-from .types import CALLER_RELAY
+from .types import CALLER, caller_edges
 
 
 class Coordinator:
@@ -57,6 +57,9 @@ class Coordinator:
         self.admission = Admission(config, registry, lifecycle)
         self.forgetting = Forgetting(endpoint, lifecycle)
         self._entry = config.entry
+        #: the caller's edges (its inputs out, the results and streamed chunks in) and their relays
+        edges = caller_edges(config)
+        self._input_relay = edges[(CALLER, self._entry, "work")]
         #: non-terminal stages with ``caller`` in their stream_to: a request waits for their stream's end
         self._caller_streams = frozenset(s.name for s in config.stages
                                          if not s.terminal and CALLER_STAGE in s.stream_to)
@@ -67,7 +70,7 @@ class Coordinator:
         #: requests run again after a process death, by the error of the failed attempt
         self.retries: dict[str, int] = self.retrying.counts
         self.replies = Replies(endpoint, self.requests, self.graph, self.finish,
-                               batch=max(1, config.limits.stream_buffer // 4))
+                               batch=max(1, config.limits.stream_buffer // 4), edges=edges)
 
     def bind(self, plan: Plan) -> None:
         """Learn the plan: which processes keep per-request state, and which ones a request may
@@ -124,7 +127,7 @@ class Coordinator:
         skeleton, tensors = pack(inputs, allow_pickle=self.config.allow_pickle)
         await self.endpoint.send_data(leaders[0], wire.Data("work", req.rid, req.request_id, entry, "", skeleton,
                                                             trace=tracing.traceparent(), from_network=from_network),
-                                      tensors, CALLER_RELAY)
+                                      tensors, self._input_relay)
 
     # -- the caller's API ------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ from ..config.schema import PipelineConfig
 from ..logs import get_logger
 from ..registry import Registry
 from ..relay.base import InvalidHandle, Relay, RelayContext
-from ..relay.inline import InlineRelay
 from ..relay.lifetime import detach, lent_storages, storage_key
-from .types import CALLER_RELAY, SPLIT_RELAY, Inbound
+from .types import INLINE_RELAY, SPLIT_RELAY, Inbound
 
 #: A stream chunk whose tensors hold at most this many bytes is copied out of the relay on
 #: arrival (its relay memory is free at once); a larger one is a view until the reader moves on.
@@ -72,8 +71,7 @@ class Edges:
     def relay(self, name: str) -> Relay:
         relay = self.relays.get(name)
         if relay is None:
-            # The caller's edges use a relay omni-core owns, whatever plugins are disabled.
-            cls = InlineRelay if name == CALLER_RELAY else self.registry.resolve("relay", name)
+            cls = self.registry.resolve("relay", name)
             options = relay_options(self.config.relay, name)
             for stage in self.stages:  # a stage's relay options apply to its own edges' relay
                 own = self.config.stage(stage).relay
@@ -93,7 +91,7 @@ class Edges:
         relay = self.relays.get(relay_name) or self.relay(relay_name)
         devices = self._devices.get(relay_name)
         if devices is None:  # what it can move: its registration's word, else its class's
-            caps = relay_capabilities(self.registry if relay_name != CALLER_RELAY else None, relay_name, relay)
+            caps = relay_capabilities(self.registry, relay_name, relay)
             devices = self._devices[relay_name] = caps.devices if caps is not None else frozenset({"cpu"})
         if all(t.device.type in devices for t in tensors):
             transfer = await relay.put(rid, tensors, target)
@@ -104,7 +102,7 @@ class Edges:
         rest = [i for i in range(len(tensors)) if i not in fitting]
         split = _Split([], [], [], [])
         frames: list = []
-        for name, index in ((relay_name, fits), (CALLER_RELAY, rest)):
+        for name, index in ((relay_name, fits), (INLINE_RELAY, rest)):
             if not index:
                 continue
             transfer = await self.relay(name).put(rid, [tensors[i] for i in index], target)
@@ -127,8 +125,8 @@ class Edges:
                 split = _decode_split(handle)
             except msgspec.DecodeError as exc:
                 raise InvalidHandle(f"malformed split handle: {exc}") from None
-            if len(set(split.relays)) != len(split.relays) or CALLER_RELAY not in split.relays:
-                raise InvalidHandle(f"malformed split handle: relays {split.relays} (a split is one edge relay and {CALLER_RELAY!r})")
+            if len(set(split.relays)) != len(split.relays) or INLINE_RELAY not in split.relays:
+                raise InvalidHandle(f"malformed split handle: relays {split.relays} (a split is one edge relay and {INLINE_RELAY!r})")
             total = sum(len(index) for index in split.index)
             if sum(split.counts) != len(frames) or sorted(i for index in split.index for i in index) != list(range(total)):
                 raise InvalidHandle("malformed split handle: its frame counts or tensor indices do not add up")
@@ -153,8 +151,7 @@ class Edges:
         tensors = await relay.get(handle, frames)
         if type(relay).release is not Relay.release:
             inbound.releases.append(lambda: relay.release(handle))
-        if type(relay) is not InlineRelay:  # inline tensors view frames this process owns
-            inbound.storages |= lent_storages(relay, tensors)
+        inbound.storages |= lent_storages(relay, tensors)  # none for inline: views of its own frames
         return tensors
 
     def discard(self, relay_name: str, handle: bytes) -> None:

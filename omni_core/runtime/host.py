@@ -34,7 +34,7 @@ from .endpoint import Endpoint
 from .routing import COORDINATOR, Router
 from .stage import StageRuntime
 from .stage_port import StagePort
-from .types import CALLER_RELAY, Bootstrap, Inbound, StageFunctions, WiringError
+from .types import INLINE_RELAY, Bootstrap, Inbound, StageFunctions, WiringError
 
 __all__ = ["Bootstrap", "Host"]
 
@@ -240,7 +240,7 @@ class Host:
         ranks run the same calls in the same order (their collectives must match)."""
         skeleton, tensors = pack(payload, allow_pickle=self.allow_pickle)
         transfer = inline_transfer(tensors)
-        relay = CALLER_RELAY if tensors else ""
+        relay = INLINE_RELAY if tensors else ""  # inline_transfer's frames
         copy_msg = wire.Data(msg.kind, msg.rid, msg.request_id, msg.stage, msg.src, skeleton, relay,
                              transfer.handle, len(transfer.frames), "", msg.trace, msg.from_network)
         for follower in self._followers:

@@ -23,7 +23,7 @@ from ..contracts import Launcher, ProcessHandle, launcher_class
 from ..logs import get_logger
 from ..plan.topology import OBJECT_RELAY, Plan, endpoints
 from ..registry import Registry
-from .types import CALLER_RELAY, Bootstrap
+from .types import Bootstrap, caller_edges
 
 __all__ = ["RUNTIME_DIR_PREFIX", "Launch", "sweep_stale_runtime_dirs"]
 
@@ -76,7 +76,7 @@ class Launch:
         self.plan = plan
         base = cfg.endpoints.ipc_dir or tempfile.gettempdir()
         sweep_stale_runtime_dirs(base)
-        for relay_name in {e.relay for e in plan.edges if e.relay != OBJECT_RELAY} | {CALLER_RELAY}:
+        for relay_name in {e.relay for e in plan.edges} - {OBJECT_RELAY} | set(caller_edges(cfg).values()):
             with contextlib.suppress(Exception):
                 self.registry.resolve("relay", relay_name).sweep(None)
         self.run_id = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -88,7 +88,8 @@ class Launch:
         plan, views = self._place(plan)
         self.plan = plan
         routes = {s.name: plan.processes_of(s.name) for s in cfg.stages}
-        edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges}
+        # every edge's relay, the caller's edges' included
+        edge_relays = {(e.src, e.dst, e.kind): e.relay for e in plan.edges} | caller_edges(cfg)
         config_data = to_dict(cfg)
         for spec in plan.processes:
             self.boots[spec.name] = Bootstrap(

@@ -16,16 +16,18 @@ from ..errors import StageError
 from . import wire
 from .endpoint import Endpoint
 from .requests import Event, Graph, Request
-from .types import CALLER_RELAY, Inbound
+from .types import CALLER, Inbound
 
 
 class Replies:
     """``requests``: the coordinator's table (read only); ``finish(req, value=..., error=...)``
-    ends a request; ``batch``: chunks read per credit message given back."""
+    ends a request; ``batch``: chunks read per credit message given back; ``edges``: the caller's
+    edges and their relays (``caller_edges``)."""
 
     def __init__(self, endpoint: Endpoint, requests: Mapping[int, Request], graph: Graph,
-                 finish: Callable[..., None], batch: int):
+                 finish: Callable[..., None], batch: int, edges: Mapping[tuple[str, str, str], str]):
         self.endpoint = endpoint
+        self.edges = edges
         self.requests = requests
         self.graph = graph
         self._finish = finish
@@ -55,9 +57,13 @@ class Replies:
     def accept(self, msg: wire.Data) -> bool:
         if msg.rid not in self.requests:
             return False
-        if msg.relay and msg.relay != CALLER_RELAY:
-            self.reject(msg, ValueError(f"results must come through the {CALLER_RELAY!r} relay, not {msg.relay!r}"))
-            return False
+        if msg.relay:
+            relay = self.edges.get((msg.src, CALLER, "result" if msg.kind == "result" else "stream"))
+            if msg.relay != relay:
+                where = f"its edge's relay, the {relay!r} relay" if relay else "no relay (it has no edge to the caller)"
+                self.reject(msg, ValueError(f"a {msg.kind} of stage {msg.src!r} must come through {where}, "
+                                            f"not {msg.relay!r}"))
+                return False
         return True
 
     def reject(self, msg: wire.Data, exc: BaseException) -> None:

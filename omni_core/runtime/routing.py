@@ -20,15 +20,14 @@ from ..relay.payload import pack
 from . import wire
 from .endpoint import Endpoint
 from .flow import Windows
-from .types import CALLER_RELAY, Inbound, WiringError, chosen_names
+from .types import CALLER, Inbound, WiringError, chosen_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stage import StageRuntime
 
-#: The consumer name of the caller's stream in a window key.
-CALLER = ""
-#: The coordinator's process name on the wire.
-COORDINATOR = ""
+#: The coordinator's process name on the wire (the caller's: ``CALLER``, the consumer name of its
+#: stream in a window key too).
+COORDINATOR = CALLER
 
 
 class Router:
@@ -110,7 +109,7 @@ class Router:
                 skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
                 await self.endpoint.send_data(COORDINATOR, wire.Data("result", rid, request_id, cfg.name, cfg.name, skeleton,
                                                                      trace=self.traces.get(rid, "") if self.traces else ""),
-                                              tensors, CALLER_RELAY)
+                                              tensors, self.edge_relays[(cfg.name, COORDINATOR, "result")])
             if cfg.next:
                 await self._deliver("work", stage, rid, request_id, cfg.next, None, result)
             self.windows.drop(rid, cfg.name)
@@ -128,7 +127,7 @@ class Router:
         if cfg.terminal:
             skeleton, tensors = pack(result, allow_pickle=self.allow_pickle)
             await endpoint.send_data(COORDINATOR, wire.Data("result", rid, request_id, cfg.name, cfg.name, skeleton,
-                                                            trace=self._trace(rid)), tensors, CALLER_RELAY)
+                                                            trace=self._trace(rid)), tensors, self.edge_relays[(cfg.name, COORDINATOR, "result")])
         if fns.route is not None:
             dropped = [t for t in cfg.next if t not in targets]
             if dropped:
@@ -175,7 +174,7 @@ class Router:
                 chunk = project[CALLER_STAGE](chunk)
             skeleton, tensors = pack(chunk, allow_pickle=self.allow_pickle)
             await self.endpoint.send_data(COORDINATOR, wire.Data("event", rid, request_id, cfg.name, cfg.name, skeleton,
-                                                                 trace=self._trace(rid)), tensors, CALLER_RELAY)
+                                                                 trace=self._trace(rid)), tensors, self.edge_relays[(cfg.name, COORDINATOR, "stream")])
 
     async def _credit(self, rid: int, src: str, dst: str) -> bool:
         window = self.windows.get(rid, src, dst)

@@ -9,13 +9,33 @@ from typing import Any
 
 import attrs
 
+from ..config.schema import CALLER_STAGE, PipelineConfig
 from ..contracts import Bootstrap
 
-__all__ = ["ALL_TARGETS", "CALLER_RELAY", "SPLIT_RELAY", "Bootstrap", "Inbound", "StageFunctions", "WiringError",
-           "chosen_names"]
+__all__ = ["ALL_TARGETS", "CALLER", "INLINE_RELAY", "SPLIT_RELAY", "Bootstrap", "Inbound", "StageFunctions",
+           "WiringError", "caller_edges", "chosen_names"]
 
-#: Relay used for the caller's edges (inputs to the entry stage, results and events back).
-CALLER_RELAY = "inline"
+#: omni-core's built-in relay, registered from code so that every process has it whatever
+#: plugins load (omni_core.plugins.BUILTIN_PLUGINS): the relay of the caller's edges, of what a
+#: split sends beside an edge's own relay, and of a TP leader's copies to its followers.
+INLINE_RELAY = "inline"
+
+#: The caller's process name in edges and addresses (its endpoint's inbox is ``""``).
+CALLER = ""
+
+
+def caller_edges(config: PipelineConfig) -> dict[tuple[str, str, str], str]:
+    """The caller's edges, ``(src, dst, kind) → relay`` as the plan's edges between stages: its
+    inputs to the entry stage (``work``), every terminal stage's result (``result``) and the
+    chunks streamed to it (``stream``: a terminal stage's events, ``stream_to: [caller]``). Their
+    relay is ``inline``: the caller may sit on any node."""
+    edges = {(CALLER, config.entry, "work"): INLINE_RELAY}
+    for stage in config.stages:
+        if stage.terminal:
+            edges[(stage.name, CALLER, "result")] = INLINE_RELAY
+        if stage.terminal or CALLER_STAGE in stage.stream_to:
+            edges[(stage.name, CALLER, "stream")] = INLINE_RELAY
+    return edges
 
 #: The wire name of a message whose tensors went through two relays (see ``Edges.put``).
 SPLIT_RELAY = "+split"
