@@ -16,13 +16,12 @@ import gc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import pytest
-
 from omni_core.relay.inline import inline_transfer
 from omni_core.relay.payload import pack
 from omni_core.runtime import wire
 from omni_core.runtime.endpoint import Endpoint
 from omni_core.runtime.types import INLINE_RELAY
+from omni_core.testing import waiting
 
 
 class RecordingTransport:
@@ -156,11 +155,6 @@ def aio(fn):
 
 
 async def until(predicate, what: str, deadline_s: float = 5.0, poll_s: float = 0.0) -> None:
-    """Let the loop turn (every ``poll_s``: something outside the loop, a thread, must act) until
-    ``predicate`` holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(poll_s)
+    """:func:`omni_core.testing.waiting.until`, letting the loop turn by default (every ``poll_s``
+    when something outside the loop, a thread, must act)."""
+    await waiting.until(predicate, what, deadline_s, poll_s)

@@ -15,6 +15,7 @@ from omni_core.testing.leaks import (  # noqa: F401 - re-exported for the runtim
     shm_segments,
     stage_processes,
 )
+from omni_core.testing.waiting import until  # noqa: F401 - re-exported for the runtime tests
 
 STAGES = "omni_test_stages"
 
@@ -22,17 +23,6 @@ STAGES = "omni_test_stages"
 def arun(coro, timeout: float = 60):
     """Run ``coro`` to completion within ``timeout`` seconds."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(predicate, what: str, deadline_s: float = 30.0) -> None:
-    """Poll ``predicate`` (every 20 ms) until it holds; fail naming ``what`` at the deadline. The
-    way to wait for another process: a sleep orders nothing on a loaded machine."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def until_state(p, predicate, what: str, deadline_s: float = 30.0) -> dict:

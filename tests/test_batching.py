@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -11,22 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_core.kits import BatcherClosed, BatchError, MicroBatcher
+from omni_core.testing import waiting
 
 pytestmark = pytest.mark.timeout(30)
 
 
+#: polls every millisecond: these rows step fast, a test must see the state it waits for before they move on
+until = functools.partial(waiting.until, poll_s=0.001)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
-
-
-async def until(predicate, what: str, deadline_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 class Recorder:

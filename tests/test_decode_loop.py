@@ -4,28 +4,24 @@ fairness, error isolation, chunked prefill interleaved with decodes, rows that w
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import pytest
 
 from omni_core import DecodeLoop
 from omni_core.kits import NO_OUTPUT, LoopClosed, SequenceTooLarge, StepError
+from omni_core.testing import waiting
 
 pytestmark = pytest.mark.timeout(30)
 
 
+#: polls every millisecond: these rows step fast, a test must see the state it waits for before they move on
+until = functools.partial(waiting.until, poll_s=0.001)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
-
-
-async def until(predicate, what: str, deadline_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 class Req:
@@ -113,8 +109,7 @@ def test_abort_mid_batch_leaves_the_others_correct_and_gives_memory_back():
         loop = DecodeLoop(model, max_batch_size=8, memory_budget=100, max_pending_outputs=1)
         keep = [asyncio.ensure_future(consume(loop, Req(f"k{i}", 30, base=1000 * i), memory=10)) for i in range(3)]
         doomed = [asyncio.ensure_future(consume(loop, Req(f"x{i}", 10_000), memory=20)) for i in range(2)]
-        await until(lambda: loop.stats.steps >= 5, "five steps")
-        assert loop.memory_in_use == 70
+        await until(lambda: loop.live == 5 and loop.memory_in_use == 70, "the five rows live, holding 70")
         for task in doomed:
             task.cancel()
         kept = await asyncio.gather(*keep)

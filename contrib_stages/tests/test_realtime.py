@@ -25,6 +25,7 @@ from omni_contrib_stages.api_common import Resampler, pcm16
 from omni_contrib_stages.realtime import resample
 
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import events_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,23 +99,6 @@ def connect(srv: ServerProcess, model: str = "voice"):
     return client.realtime.connect(model=model, max_retries=0)
 
 
-async def until(conn, kind: str, seen: list | None = None, timeout: float = 60.0) -> list:
-    """Events up to and including the first of type ``kind``, within ``timeout`` seconds."""
-    events = [] if seen is None else seen
-
-    async def read() -> list:
-        async for event in conn:
-            events.append(event)
-            if event.type == kind:
-                return events
-        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
-
-
 def types(events) -> list[str]:
     return [e.type for e in events]
 
@@ -141,9 +125,9 @@ def wait_metric(srv: ServerProcess, name: str, value: float, timeout: float = 20
 
 
 async def manual_session(conn, **session) -> None:
-    await until(conn, "session.created")
+    await events_until(conn, "session.created")
     await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}, **session})
-    await until(conn, "session.updated")
+    await events_until(conn, "session.updated")
 
 
 # -- turns ------------------------------------------------------------------------------------------------
@@ -157,9 +141,9 @@ def test_a_spoken_turn_streams_audio_and_transcript_then_done(server):
             for i in range(0, len(audio), 9600):
                 await conn.input_audio_buffer.append(audio=b64(audio[i:i + 9600]))
             await conn.input_audio_buffer.commit()
-            committed = await until(conn, "conversation.item.done")
+            committed = await events_until(conn, "conversation.item.done")
             await conn.response.create()
-            return committed, await until(conn, "response.done")
+            return committed, await events_until(conn, "response.done")
 
     committed, events = run(main())
     assert types(committed) == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
@@ -198,9 +182,9 @@ def test_text_in_text_out_with_the_voice_and_max_tokens(server):
             await manual_session(conn, output_modalities=["text"], audio={"output": {"voice": "Chelsie"}})
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "hi there"}]})
-            await until(conn, "conversation.item.done")
+            await events_until(conn, "conversation.item.done")
             await conn.response.create(response={"max_output_tokens": 3})
-            return await until(conn, "response.done")
+            return await events_until(conn, "response.done")
 
     events = run(main())
     assert "response.output_audio.delta" not in types(events)
@@ -218,11 +202,11 @@ def test_the_second_turn_sees_the_first(server):
             await conn.input_audio_buffer.append(audio=b64(speech()))
             await conn.input_audio_buffer.commit()
             await conn.response.create()
-            first = await until(conn, "response.done")
+            first = await events_until(conn, "response.done")
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "and then?"}]})
             await conn.response.create(response={"max_output_tokens": 2})
-            second = await until(conn, "response.done")
+            second = await events_until(conn, "response.done")
             return first[-1].response, second[-1].response
 
     first, second = run(main())
@@ -241,13 +225,13 @@ def test_cancel_mid_response_aborts_it_and_keeps_what_was_sent(server):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "talk"}]})
             await conn.response.create(response={"max_output_tokens": 60})  # about 2 s of words
-            events = await until(conn, "response.output_audio.delta")
+            events = await events_until(conn, "response.output_audio.delta")
             await conn.response.cancel()
             sent = time.perf_counter()
-            events = await until(conn, "response.done", events)
+            events = await events_until(conn, "response.done", events)
             cancel_ms = (time.perf_counter() - sent) * 1000
             await conn.response.create(response={"max_output_tokens": 1})
-            after = await until(conn, "response.done")
+            after = await events_until(conn, "response.done")
             return events, after[-1].response, cancel_ms
 
     events, after, cancel_ms = run(main())
@@ -270,7 +254,7 @@ def test_the_history_is_bounded_oldest_first(server):
                 await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                           "content": [{"type": "input_text", "text": f"t{i}"}]})
             await conn.response.create(response={"max_output_tokens": 1})
-            return await until(conn, "response.done")
+            return await events_until(conn, "response.done")
 
     done = run(main())[-1].response
     messages = recorded(server, done.id)["messages"]
@@ -284,26 +268,26 @@ def test_the_history_is_bounded_oldest_first(server):
 def test_server_vad_on_silence_speech_silence_then_barge_in(server):
     async def main():
         async with connect(server) as conn:
-            await until(conn, "session.created")  # server_vad is the default
+            await events_until(conn, "session.created")  # server_vad is the default
             # Long answers (60 words, 1.8 s at least): the barge-in comes while one plays.
             await conn.session.update(session={"type": "realtime", "max_output_tokens": 60, "audio": {"input": {
                 "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200,
                                    "silence_duration_ms": 400}}}})
-            await until(conn, "session.updated")
+            await events_until(conn, "session.updated")
             # Silence alone is no turn: the buffer is cleared without any speech event.
             await conn.input_audio_buffer.append(audio=b64(silence(1.5)))
             await conn.input_audio_buffer.clear()
-            quiet = await until(conn, "input_audio_buffer.cleared")
+            quiet = await events_until(conn, "input_audio_buffer.cleared")
             audio = silence(1.0) + speech() + silence(1.0)
             for i in range(0, len(audio), 4800):  # 100 ms per event
                 await conn.input_audio_buffer.append(audio=b64(audio[i:i + 4800]))
-            turn = await until(conn, "response.output_audio.delta")
+            turn = await events_until(conn, "response.output_audio.delta")
             # Barge-in: the user speaks again while the answer plays.
             for i in range(0, len(speech()), 4800):
                 await conn.input_audio_buffer.append(audio=b64(speech()[i:i + 4800]))
-            barge = await until(conn, "response.done")
+            barge = await events_until(conn, "response.done")
             await conn.input_audio_buffer.append(audio=b64(silence(1.0)))
-            second = await until(conn, "response.done")
+            second = await events_until(conn, "response.done")
             return quiet, turn, barge, second
 
     quiet, turn, barge, second = run(main())
@@ -366,17 +350,17 @@ def test_every_malformed_input_is_an_error_event_and_the_session_goes_on(server)
                 if isinstance(event, dict):
                     event = json.dumps({**event, "event_id": f"bad-{i}"})
                 await conn.send_raw(event)
-                errors.append(await until(conn, "error"))
+                errors.append(await events_until(conn, "error"))
             await conn.send_raw(b"\x00binary")  # a binary frame
-            errors.append(await until(conn, "error"))
+            errors.append(await events_until(conn, "error"))
             # A response.create while one runs.
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "x"}]})
             await conn.response.create(response={"max_output_tokens": 20})
-            await until(conn, "response.created")
+            await events_until(conn, "response.created")
             await conn.send_raw(json.dumps({"type": "response.create", "event_id": "again"}))
-            busy = await until(conn, "error")
-            done = await until(conn, "response.done")
+            busy = await events_until(conn, "error")
+            done = await events_until(conn, "response.done")
             return errors, busy, done
 
     errors, busy, done = run(main())
@@ -400,7 +384,7 @@ def test_eight_concurrent_sessions_then_the_limit(server):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": f"session {i}"}]})
             await conn.response.create()
-            events = await until(conn, "response.done")
+            events = await events_until(conn, "response.done")
             await hold.wait()
             return events
 
@@ -410,7 +394,7 @@ def test_eight_concurrent_sessions_then_the_limit(server):
         await opened.wait()
         sessions_open = await asyncio.to_thread(metric, server, "omni_realtime_sessions")
         async with connect(server) as ninth:
-            refused = await until(ninth, "error")
+            refused = await events_until(ninth, "error")
         hold.set()
         return await asyncio.gather(*tasks), refused, sessions_open
 
@@ -435,7 +419,7 @@ def test_a_client_that_disconnects_mid_response_frees_everything(server):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "go"}]})
             await conn.response.create(response={"max_output_tokens": 60})
-            await until(conn, "response.output_audio.delta")
+            await events_until(conn, "response.output_audio.delta")
             assert await asyncio.to_thread(metric, server, "omni_requests_in_flight") == 1
         # leaving the block closes the socket mid-response
 
@@ -449,7 +433,7 @@ def test_a_client_that_disconnects_mid_response_frees_everything(server):
 def test_a_model_the_server_does_not_serve_is_refused(server):
     async def main():
         async with connect(server, model="other") as conn:
-            return await until(conn, "error")
+            return await events_until(conn, "error")
 
     error = run(main())[-1].error
     assert error.code == "model_not_found" and "'voice'" in error.message
@@ -460,15 +444,15 @@ def test_the_session_limit_and_idle_sessions_on_a_small_server(tmp_path):
     try:
         async def main():
             async with connect(srv) as conn:
-                await until(conn, "session.created")
+                await events_until(conn, "session.created")
                 async with connect(srv) as other:
-                    refused = await until(other, "error")
+                    refused = await events_until(other, "error")
                 started = time.monotonic()
-                idle = await until(conn, "error")
+                idle = await events_until(conn, "error")
                 waited = time.monotonic() - started
                 closed = [e async for e in conn]  # the server closes the session
             async with connect(srv) as again:  # the slot is free again
-                created = await until(again, "session.created")
+                created = await events_until(again, "session.created")
             return refused, idle, waited, closed, created
 
         refused, idle, waited, closed, created = run(main())

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import wave
 from pathlib import Path
 
 import openai
 import pytest
+from omni_contrib_stages.api_common import wav_bytes
 
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import events_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,36 +62,10 @@ def speech() -> bytes:
         return w.readframes(w.getnframes())
 
 
-def as_wav(pcm: bytes, rate: int = 24000) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return buf.getvalue()
-
-
-async def events_until(conn, kind: str, timeout: float = 60.0) -> list:
-    events: list = []
-
-    async def read() -> list:
-        async for event in conn:
-            events.append(event)
-            if event.type == kind:
-                return events
-        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
-
-
 def uploaded(server, pcm: bytes, **fields):
     """``POST /v1/audio/transcriptions`` of ``pcm`` as a WAV file to the ASR pipeline, with the SDK."""
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as sdk:
-        return sdk.audio.transcriptions.create(model="asr", file=("turn.wav", as_wav(pcm), "audio/wav"), **fields)
+        return sdk.audio.transcriptions.create(model="asr", file=("turn.wav", wav_bytes(pcm, 24000), "audio/wav"), **fields)
 
 
 async def transcribed_turn(conn, pcm: bytes) -> list:

@@ -11,6 +11,7 @@ import torch
 from omni_core import Pipeline
 from omni_core.errors import RequestAborted
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
+from omni_core.testing.waiting import until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leaks")]
 
@@ -31,16 +32,6 @@ def config(**options) -> dict:
 
 def arun(coro, timeout: float = 150):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(predicate, what: str, deadline_s: float = 30.0) -> None:
-    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {deadline_s:g} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 def tensor(n: int) -> torch.Tensor:

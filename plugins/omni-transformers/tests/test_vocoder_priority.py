@@ -16,6 +16,7 @@ import attrs
 import pytest
 import torch
 from omni_core.kits import BatcherClosed
+from omni_core.testing.waiting import until
 
 from omni_transformers.kit.chunks import CodesChunk
 from omni_transformers.kit.vocoder import (
@@ -43,16 +44,6 @@ class GatedVocoder:
         self.held.append(self.gate is not None and self.gate.held)
         await self.release.acquire()
         return [ValueError(f"{item} is bad") if item.startswith("bad") else f"audio of {item}" for item in items]
-
-
-async def until(predicate, what: str, timeout: float = 30) -> None:
-    """Poll the batcher's state (no sleeping as synchronisation: give the loop turns until it holds)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0)
 
 
 async def served_order(batcher: ChunkBatcher, fake: GatedVocoder, queued: list[tuple[str, bool, object]],

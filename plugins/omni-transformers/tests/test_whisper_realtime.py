@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
-import wave
 
 import numpy as np
 import openai
 import pytest
+from omni_contrib_stages.api_common import wav_bytes
+from omni_core.testing.waiting import events_until
 from speech_serving import sdk, serving
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,36 +38,10 @@ def pcm24k(seconds: float, seed: int) -> bytes:
     return (samples * 32767).astype("<i2").tobytes()
 
 
-def as_wav(pcm: bytes, rate: int = 24000) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return buf.getvalue()
-
-
-async def events_until(conn, kind: str, timeout: float = 120.0) -> list:
-    events: list = []
-
-    async def read() -> list:
-        async for event in conn:
-            events.append(event)
-            if event.type == kind:
-                return events
-        raise AssertionError(f"the connection closed before {kind}: {[e.type for e in events]}")
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"no {kind} within {timeout:g} s; got {[e.type for e in events]}") from None
-
-
 def test_one_server_answers_each_model_on_its_own_route(server):
     with sdk(server) as client:
         assert [m.id for m in client.models.list().data] == ["demo", "whisper", "csm"]
-        text = client.audio.transcriptions.create(model="whisper", file=("a.wav", as_wav(pcm24k(1.0, 1)))).text
+        text = client.audio.transcriptions.create(model="whisper", file=("a.wav", wav_bytes(pcm24k(1.0, 1), 24000))).text
         assert text
         speech = client.audio.speech.create(model="csm", voice="1", input="hello", response_format="pcm")
         assert len(speech.content) % (1920 * 2) == 0 and speech.content
@@ -78,7 +52,7 @@ def test_one_server_answers_each_model_on_its_own_route(server):
 def test_each_committed_turn_is_transcribed_by_the_whisper_pipeline(server):
     turns = [pcm24k(1.5, 2), pcm24k(0.8, 3)]
     with sdk(server) as client:
-        answers = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t), "audio/wav"))
+        answers = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", wav_bytes(t, 24000), "audio/wav"))
                    for t in turns]
     expected = [a.text for a in answers]
     assert all(expected) and expected[0] != expected[1]
@@ -88,19 +62,19 @@ def test_each_committed_turn_is_transcribed_by_the_whisper_pipeline(server):
         async with client.realtime.connect(model="demo", max_retries=0) as conn:
             await conn.session.update(session={"type": "realtime", "audio": {"input": {
                 "turn_detection": None, "transcription": {"model": "whisper", "language": "en"}}}})
-            updated = await events_until(conn, "session.updated")
+            updated = await events_until(conn, "session.updated", timeout=120)
             assert updated[-1].session.audio.input.transcription.model == "whisper"
             seen = []
             for turn in turns:
                 for i in range(0, len(turn), 4800):
                     await conn.input_audio_buffer.append(audio=base64.b64encode(turn[i:i + 4800]).decode())
                 await conn.input_audio_buffer.commit()
-                seen.append(await events_until(conn, "conversation.item.input_audio_transcription.completed"))
+                seen.append(await events_until(conn, "conversation.item.input_audio_transcription.completed", timeout=120))
             return seen
 
     seen = asyncio.run(asyncio.wait_for(main(), 300))
     with sdk(server) as client:
-        in_english = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", as_wav(t)), language="en").text
+        in_english = [client.audio.transcriptions.create(model="whisper", file=("turn.wav", wav_bytes(t, 24000)), language="en").text
                       for t in turns]
     for events, want in zip(seen, in_english, strict=True):
         assert "error" not in [e.type for e in events], [e for e in events if e.type == "error"]
