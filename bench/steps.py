@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import time
-
 from typing import Any
 
 from . import common

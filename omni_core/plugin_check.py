@@ -53,11 +53,12 @@ class Problem:
 
 
 def installed_distributions() -> list[str]:
-    """Every distribution that declares ``omni`` entry points (omni-core first)."""
+    """omni-core (its built-ins are registered from code) and every distribution that declares
+    ``omni`` entry points, omni-core first."""
     from importlib import metadata
 
     dists = {normalize_distribution(ep.dist.name) for ep in metadata.entry_points(group="omni") if ep.dist}
-    return sorted(dists, key=lambda d: (d != CORE_DISTRIBUTION, d))
+    return sorted(dists | {CORE_DISTRIBUTION}, key=lambda d: (d != CORE_DISTRIBUTION, d))
 
 
 def _namespaces(info: PluginInfo) -> set[str]:
