@@ -16,6 +16,7 @@ import pytest
 
 from omni_core.serve.server import PIPELINE_FAILED_EXIT
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import holds_within
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,13 +26,6 @@ REQUESTS = "/v1/pipelines/never/requests"
 ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
-def until(predicate, deadline: float = 30.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def cmdline(pid: int) -> str:
@@ -67,7 +61,7 @@ def test_a_killed_stage_under_restart_never_fails_the_request_in_flight_and_the_
 
             worker = threading.Thread(target=in_flight)
             worker.start()
-            assert until(lambda: client.get("/metrics").text.count('omni_stage_in_flight{stage="words"} 1.0') == 1)
+            assert holds_within(lambda: client.get("/metrics").text.count('omni_stage_in_flight{stage="words"} 1.0') == 1)
             os.kill(pid, signal.SIGKILL)
             # Meanwhile (until the server is gone) /health and /ready say why.
             seen = []
@@ -79,7 +73,7 @@ def test_a_killed_stage_under_restart_never_fails_the_request_in_flight_and_the_
                     return True  # already gone
                 seen.append(r)
                 return r.status_code == 503
-            assert until(probe, 10)
+            assert holds_within(probe, 10)
             worker.join(60)
             assert not worker.is_alive()
         start = time.monotonic()

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from omni_core.testing.serve import ServerProcess, sse_events
+from omni_core.testing.waiting import holds_within
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -35,13 +35,6 @@ def held_stream(client: httpx.Client, gate: Path, request_id: str, words: str = 
     return response, lines, head
 
 
-def until(predicate, deadline: float = 20.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_overload_is_a_429_with_retry_after_and_sigterm_drains_a_stream_in_flight(tmp_path):
@@ -59,7 +52,7 @@ def test_overload_is_a_429_with_retry_after_and_sigterm_drains_a_stream_in_fligh
             assert r.status_code == 429
 
             server.signal(signal.SIGTERM)
-            assert until(lambda: client.get("/ready").status_code == 503)
+            assert holds_within(lambda: client.get("/ready").status_code == 503, 20)
             assert client.get("/ready").json()["status"] == "draining"
             refused = client.post(REQUESTS, json={"input": {"text": "late"}})
             assert refused.status_code == 503 and refused.json()["error"]["type"] == "Draining"
@@ -92,7 +85,7 @@ def test_what_is_left_after_the_drain_is_aborted_and_the_server_still_exits_clea
             response, lines, head = held_stream(client, tmp_path / "never", "stuck")
             server.signal(signal.SIGTERM)
             if how == "second signal":
-                assert until(lambda: client.get("/ready").status_code == 503)
+                assert holds_within(lambda: client.get("/ready").status_code == 503, 20)
                 server.signal(signal.SIGINT)
             events = sse_events(head + list(lines))
             response.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from test_serve_http import metric
 
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import holds_within
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -23,13 +23,6 @@ REQUESTS = "/v1/pipelines/restarting/requests"
 ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
-def until(predicate, deadline: float = 30.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def pid_of(client: httpx.Client, process: str) -> int:
@@ -44,8 +37,8 @@ def test_a_restart_is_counted_then_a_second_death_stops_the_pipeline_and_the_ser
             first = pid_of(client, "words")
             os.kill(first, signal.SIGKILL)
             # restart: on-failure (max 1): a new process, counted, and the server is ready again.
-            assert until(lambda: pid_of(client, "words") not in (first, None) and client.get("/ready").status_code == 200)
-            assert until(lambda: metric(client.get("/metrics").text, "omni_process_restarts_total", process="words") == 1)
+            assert holds_within(lambda: pid_of(client, "words") not in (first, None) and client.get("/ready").status_code == 200)
+            assert holds_within(lambda: metric(client.get("/metrics").text, "omni_process_restarts_total", process="words") == 1)
             assert metric(client.get("/metrics").text, "omni_process_restarts_total", process="shout") == 0
             r = client.post(REQUESTS, json={"input": {"text": "after restart"}})
             assert r.status_code == 200 and r.json()["result"]["text"] == "AFTER RESTART"
@@ -80,4 +73,4 @@ def test_a_server_that_never_gets_ready_is_stopped_by_the_failed_start(tmp_path)
     with pytest.raises(RuntimeError, match="omni serve"):
         server.start()
     assert server.returncode is not None, "the failed start left the server running"
-    assert until(lambda: not server.leftovers(), 20), server.leftovers()
+    assert holds_within(lambda: not server.leftovers(), 20), server.leftovers()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from test_serve_http import metric
 
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import holds_within
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -22,13 +22,6 @@ HERE = Path(__file__).parent
 ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
 
-def until(predicate, deadline: float = 30.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _killed_mid_request(name: str) -> tuple[httpx.Response, str]:
@@ -39,7 +32,7 @@ def _killed_mid_request(name: str) -> tuple[httpx.Response, str]:
             sender = threading.Thread(target=lambda: answer.append(client.post(
                 f"/v1/pipelines/{name}/requests", json={"input": {"sleep": 2.0, "x": 5}})))
             sender.start()
-            assert until(lambda: metric(client.get("/metrics").text, "omni_requests_in_flight", pipeline=name) == 1)
+            assert holds_within(lambda: metric(client.get("/metrics").text, "omni_requests_in_flight", pipeline=name) == 1)
             pid = client.get("/v1/pipelines").json()["pipelines"][0]["processes"]["nap"]
             os.kill(pid, signal.SIGKILL)
             sender.join(60)

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ import soundfile
 
 from omni_core.serve.server import PIPELINE_FAILED_EXIT
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import holds_within
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,13 +69,6 @@ serve:
 """
 
 
-def until(predicate, deadline: float = 30.0) -> bool:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +162,7 @@ def test_metrics_are_labelled_by_pipeline(client):
         return all(f'omni_stage_calls_total{{pipeline="{n}",stage="words",status="ok"}}' in text
                    for n in ("words", "small"))
 
-    assert until(labelled, 30), client.get("/metrics").text
+    assert holds_within(labelled, 30), client.get("/metrics").text
     text = client.get("/metrics").text
     assert 'omni_requests_total{pipeline="small",status="ok"}' in text
     assert 'omni_requests_total{pipeline="words",status="ok"}' in text
@@ -209,9 +202,9 @@ def test_sigterm_drains_every_pipeline(tmp_path):
             text = httpx.get(f"{server.url}/metrics", timeout=30).text
             return all(f'omni_requests_in_flight{{pipeline="{n}"}} 1.0' in text for n in gates)
 
-        assert until(both_in_flight, 30)
+        assert holds_within(both_in_flight, 30)
         server.signal(signal.SIGTERM)
-        assert until(lambda: httpx.get(f"{server.url}/ready", timeout=5).status_code == 503, 10)
+        assert holds_within(lambda: httpx.get(f"{server.url}/ready", timeout=5).status_code == 503, 10)
         for gate in gates.values():
             gate.write_text("open")
         for w in workers:
@@ -239,7 +232,7 @@ def test_a_pipeline_that_cannot_go_on_makes_the_server_exit_non_zero(tmp_path):
             seen.append(r)
             return r.status_code == 503
 
-        assert until(probe, 20)
+        assert holds_within(probe, 20)
         assert server.wait(30) == PIPELINE_FAILED_EXIT, server.output()
     finally:
         server.stop()

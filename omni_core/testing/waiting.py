@@ -6,6 +6,7 @@ these helpers wait exactly as long as the state takes, and fail naming what did 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,18 @@ async def until(predicate: Callable[[], Any], what: str, deadline_s: float = 30.
         if loop.time() > deadline:
             raise AssertionError(f"not within {deadline_s:g} s: {what}")
         await asyncio.sleep(poll_s)
+
+
+def holds_within(predicate: Callable[[], Any], deadline_s: float = 30.0, poll_s: float = 0.02) -> bool:
+    """Whether ``predicate`` holds within ``deadline_s`` seconds, polled every ``poll_s`` (for
+    synchronous tests: ``assert holds_within(lambda: client.get("/ready").status_code == 503)``);
+    it is asked once more at the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return bool(predicate())
 
 
 async def events_until(conn: Any, kind: str, seen: list | None = None, timeout: float = 60.0) -> list:
