@@ -167,33 +167,8 @@ class MicroBatcher(Worker, Generic[T, R]):
         return True
 
     async def _run(self, batch: list[_Waiting]) -> None:
-        items = [w.item for w in batch]
-        self.stats.record(len(items))
-        try:
-            results = list(await self._calls(items))
-            if len(results) != len(items):
-                raise BatchError(
-                    f"batch function of batcher {self.name!r} returned {len(results)} results for "
-                    f"{len(items)} items; it must return one result per item, in order"
-                )
-        except asyncio.CancelledError:
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(BatcherClosed(f"batcher {self.name!r} was closed while the batch ran"))
-            raise
-        except Exception as exc:
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(exc)
-            return
-        for w, result in zip(batch, results, strict=True):
-            if w.future.done():
-                continue
-            if isinstance(result, BaseException):
-                w.future.set_exception(result)
-            else:
-                w.future.set_result(result)
-        self._handed_out()
+        self.stats.record(len(batch))
+        await self._run_batch(batch)
 
     def _fail_all(self, exc: BaseException) -> None:
         waiting, self._waiting = self._waiting, deque()

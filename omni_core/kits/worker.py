@@ -5,7 +5,8 @@ that fails whoever still waits.
 :class:`~omni_core.kits.batching.MicroBatcher` and :class:`~omni_core.kits.decode_loop.DecodeLoop`
 are :class:`Worker` subclasses: they say what one turn of the worker does (:meth:`Worker._turn`)
 and how to fail their callers (:meth:`Worker._fail_all`); binding to the event loop, waking,
-sleeping until a deadline, stopping on a bug and closing are written here once.
+sleeping until a deadline, stopping on a bug and closing are written here once, and so is running
+one batch and handing its results out (:meth:`Worker._run_batch`, for every batcher).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,6 +135,37 @@ class Worker:
                 await worker
         self._fail_all(self.closed_error(f"{self.kind} {self.name!r} was closed"))
         self._calls.shutdown()
+
+    async def _run_batch(self, batch: Sequence[Any]) -> None:
+        """For the batchers: call the function on the batch's ``item``s and settle each one's
+        ``future`` with its result (an exception in the results fails that item alone; one the
+        function raises fails the whole batch; a cancelled worker fails it with
+        ``closed_error``), then :meth:`_handed_out`. Callers that gave up are skipped."""
+        try:
+            results = list(await self._calls([w.item for w in batch]))
+            if len(results) != len(batch):
+                raise self.broken_error(
+                    f"batch function of {self.kind} {self.name!r} returned {len(results)} results for "
+                    f"{len(batch)} items; it must return one result per item, in order"
+                )
+        except asyncio.CancelledError:
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(self.closed_error(f"{self.kind} {self.name!r} was closed while the batch ran"))
+            raise
+        except Exception as exc:
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+            return
+        for w, result in zip(batch, results, strict=True):
+            if w.future.done():
+                continue
+            if isinstance(result, BaseException):
+                w.future.set_exception(result)
+            else:
+                w.future.set_result(result)
+        self._handed_out()
 
     def _handed_out(self) -> None:
         """One turn's results were handed to their callers' tasks: what those tasks send next

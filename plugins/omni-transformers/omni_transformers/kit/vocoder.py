@@ -309,29 +309,8 @@ class ChunkBatcher(Worker):
     async def _run(self, batch: list[_Chunk]) -> None:
         self.stats.record(len(batch))
         gate = self.gate if self.gate is not None and any(c.first for c in batch) else None
-        try:
-            with gate.hold() if gate is not None else contextlib.nullcontext():
-                results = list(await self._calls([c.item for c in batch]))
-            if len(results) != len(batch):
-                raise BatchError(f"batch function of batcher {self.name!r} returned {len(results)} results for "
-                                 f"{len(batch)} items; it must return one result per item, in order")
-        except asyncio.CancelledError:
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(BatcherClosed(f"batcher {self.name!r} was closed while the batch ran"))
-            raise
-        except Exception as exc:
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(exc)
-            return
-        for c, result in zip(batch, results, strict=True):
-            if c.future.done():
-                continue
-            if isinstance(result, BaseException):
-                c.future.set_exception(result)
-            else:
-                c.future.set_result(result)
+        with gate.hold() if gate is not None else contextlib.nullcontext():
+            await self._run_batch(batch)
 
     def _fail_all(self, exc: BaseException) -> None:
         waiting, self._waiting = self._waiting, []
