@@ -81,7 +81,7 @@ def test_shm_refuses_a_segment_name_with_a_path_and_touches_no_file(pair, tmp_pa
     for name in (traversal, f"omni-{h.segment.split('-')[1]}-p1-/../../{traversal}", "..", "/etc/passwd"):
         refused(receiver, forged(h, segment=name), match="not one of this run's")
     assert victim.read_bytes() == before
-    assert receiver._maps == {}
+    assert receiver.open_links()["receiving"] == {}
 
 
 def test_shm_refuses_a_segment_of_another_run(pair):

@@ -15,6 +15,7 @@ from omni_core.relay.shm import ShmRelay, ShmRelayError, _decode
 from omni_core.relay.shm_segment import MAGIC, parse_name, pid_namespace
 from omni_core.testing.peer import PeerState, RelayPeer, put_seeded
 from omni_core.testing.relay_conformance import RelayConformance, sample, shm_entries
+from omni_core.testing.waiting import until
 
 # inline_below 0: every transfer through the pool, so small puts exercise slots and credits
 OPTIONS = {"slot_bytes": 1 << 20, "slots": 4, "timeout": 1.0, "inline_below": 0}
@@ -62,6 +63,11 @@ def make(run_id, tmp_path):
     yield build
     for relay in relays:
         relay.close()
+
+
+def waiting_puts(sender: ShmRelay, target: str = "b") -> int:
+    """How many puts of ``sender`` toward ``target`` wait for credits, as the relay says."""
+    return sender.open_links()["sending"].get(target, {"waiting": 0})["waiting"]
 
 
 def run(coro, timeout: float = 60):
@@ -144,7 +150,7 @@ def test_tensor_larger_than_a_slot_spans_consecutive_slots_of_the_pool(make, run
     async def whole_pool_waits_for_a_small_holder():
         small = await sender.put(2, [torch.ones(1)], "b")
         waiting = asyncio.ensure_future(sender.put(3, [sample(torch.uint8, (4 << 20,))], "b"))
-        await asyncio.sleep(0.2)
+        await until(lambda: waiting_puts(sender) == 1, "the whole-pool put waiting for credits")
         assert not waiting.done()
         receiver.release(small.handle)
         await asyncio.wait_for(waiting, 30)
@@ -163,7 +169,7 @@ def test_oversized_transfer_uses_a_one_off_segment_removed_after_release(make, r
 
     async def second_waits_for_first():
         waiting = asyncio.ensure_future(sender.put(2, [big], "b"))
-        await asyncio.sleep(0.2)
+        await until(lambda: waiting_puts(sender) == 1, "the second oversized put waiting")
         assert not waiting.done(), "at most one oversized transfer in flight per target"
         receiver.release(transfer.handle)
         return await asyncio.wait_for(waiting, 30)
@@ -172,7 +178,7 @@ def test_oversized_transfer_uses_a_one_off_segment_removed_after_release(make, r
     assert len([n for n in shm_entries(run_id) if ".big" in n]) == 1, "the first was not removed"
     receiver.release(second.handle)
     run(sender.put(3, [torch.ones(1)], "b"))
-    sender._oneoffs["b"].reclaim()
+    assert sender.open_links()["sending"]["b"]["oneoff"] == [], "the released one-off is still held"
     assert not [n for n in shm_entries(run_id) if ".big" in n]
 
 
@@ -206,10 +212,10 @@ def test_waiting_puts_get_credits_in_arrival_order(make):
             done.append(rid)
 
         tasks = [asyncio.ensure_future(put(10 + i)) for i in range(3)]
-        await asyncio.sleep(0.05)
-        for transfer in held[:3]:
+        await until(lambda: waiting_puts(sender) == 3, "the three puts waiting for credits")
+        for i, transfer in enumerate(held[:3]):
             receiver.release(transfer.handle)
-            await asyncio.sleep(0.05)
+            await until(lambda i=i: len(done) == i + 1, f"a put given the credit released {i + 1}.")
         await asyncio.gather(*tasks)
         return done
 

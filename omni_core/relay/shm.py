@@ -401,6 +401,22 @@ class ShmRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def open_links(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """What this relay holds open toward other processes, a read-only snapshot for leak checks:
+        ``{"sending": {target: {"held": [request ids], "oneoff": [request ids], "waiting": n}},
+        "receiving": {segment: {"oneoff": bool}}}``: per target, the requests holding slots of its
+        pool and its one-off segment, and how many puts wait for credits; per segment of another
+        process this one has mapped, whether it is a one-off. Both are empty after :meth:`close`;
+        a refused handle maps nothing."""
+        sending: dict[str, dict[str, Any]] = {}
+        for target in {*self._pools, *self._oneoffs}:
+            pool, big = self._pools.get(target), self._oneoffs.get(target)
+            waiting = (len(pool.waiters) if pool else 0) + (len(big.waiters) if big else 0)
+            sending[target] = {"held": pool.holders() if pool else [],
+                               "oneoff": big.holders() if big else [], "waiting": waiting}
+        receiving = {name: {"oneoff": seg.kind == ONEOFF} for name, seg in self._maps.items()}
+        return {"sending": sending, "receiving": receiving}
+
     def debug_state(self) -> dict[str, int]:
         for pool in self._pools.values():
             pool._reclaim()

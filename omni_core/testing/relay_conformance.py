@@ -43,6 +43,7 @@ import torch
 from ..relay.base import Relay, RelayContext
 from . import peer as cmd
 from .peer import RelayPeer, TcpWire, resolve_relay, tensor_record
+from .waiting import until
 
 SENDER, RECEIVER = "sender", "receiver"
 
@@ -341,6 +342,20 @@ class RelayConformance:
             handles.append(handle)
         return handles
 
+    async def until_a_put_waits(self, sender: Relay, put: asyncio.Future) -> None:
+        """Until ``put`` waits for a credit: as ``sender.open_links()`` says (its entries'
+        ``"waiting"``) when the relay reports it; otherwise, with nothing to observe, for a
+        window of a third of the put's timeout (at most 0.3 s) in which it must not finish."""
+        if not callable(getattr(sender, "open_links", None)):
+            await asyncio.wait([put], timeout=min(0.3, self.put_timeout / 3))
+            return
+
+        def waits() -> bool:
+            links = sender.open_links()["sending"].values()
+            return put.done() or sum(link.get("waiting", 0) for link in links) > 0
+
+        await until(waits, "the put waiting for a credit", deadline_s=self.put_timeout)
+
     async def assert_put_times_out(self, sender: Relay, target: str = RECEIVER) -> str:
         started = time.monotonic()
         with pytest.raises(TimeoutError) as info:
@@ -457,13 +472,29 @@ class RelayConformance:
         relay.close()
         relay.close()
 
+    def test_close_leaves_no_link_open(self, run_id, runtime_dir, sender, receiver):
+        """A relay that reports what it holds open toward other processes (``open_links()``, as
+        omni's relays do: ``{"sending": {...}, "receiving": {...}}``) reports nothing once it is
+        closed."""
+        relay = resolve_relay(self.relay_ref())(self.context(run_id, "linked", runtime_dir))
+        if not callable(getattr(relay, "open_links", None)):
+            relay.close()
+            pytest.skip(f"{self.relay_ref()} has no open_links()")
+        try:
+            self.run(self.send(relay, receiver, [sample(torch.float32)]))
+            links = relay.open_links()
+            assert set(links) == {"sending", "receiving"}, links
+        finally:
+            relay.close()
+        assert relay.open_links() == {"sending": {}, "receiving": {}}
+
     # -- credits and back-pressure ----------------------------------------------------------------
 
     def test_put_waits_for_credits_and_resumes_after_release(self, sender, receiver):
         async def go():
             handles = await self.fill_credits(sender, receiver, 1, got=self.needs_credits())
             waiting = asyncio.ensure_future(sender.put(2, [sample(torch.float32)], RECEIVER))
-            await asyncio.sleep(min(0.3, self.put_timeout / 3))
+            await self.until_a_put_waits(sender, waiting)
             assert not waiting.done(), "put did not wait although every credit was held"
             await receiver.acall(cmd.release, handles[0])
             transfer = await asyncio.wait_for(waiting, self.put_timeout)

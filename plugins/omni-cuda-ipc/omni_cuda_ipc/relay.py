@@ -560,6 +560,20 @@ class CudaIpcRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def open_links(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """What this relay holds open toward other processes, a read-only snapshot for leak checks:
+        ``{"sending": {"<target>/<device>": {"held": [request ids holding credits], "waiting":
+        puts waiting for a credit}},
+        "receiving": {link name: {"from": sender}}}``. Credits outlive a link, so a target may be
+        listed with no link. Both are empty after :meth:`close`; a refused handle opens nothing."""
+        sending = {}
+        for target, device in {*self._links, *self._credits}:
+            credits = self._credits.get((target, device))
+            sending[f"{target}/{device}"] = {"held": credits.holders() if credits else [],
+                                             "waiting": len(credits.waiters) if credits else 0}
+        receiving = {name: {"from": peer.sender} for name, peer in self._peers.items()}
+        return {"sending": sending, "receiving": receiving}
+
     def debug_state(self) -> dict[str, int]:
         for credits in self._credits.values():
             credits.reclaim()

@@ -69,6 +69,6 @@ def test_a_relay_refuses_forged_handles_before_opening_anything(tmp_path):
                     handle(link="", shapes=[[1 << 27]], shared=[None])):
             with pytest.raises(InvalidHandle):
                 asyncio.run(relay.get(raw, []))
-        assert relay._peers == {}
+        assert relay.open_links()["receiving"] == {}
     finally:
         relay.close()

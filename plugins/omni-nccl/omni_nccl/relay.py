@@ -776,6 +776,32 @@ class NcclRelay(Relay):
 
     # -- both -----------------------------------------------------------------------------------
 
+    def open_links(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """What this relay holds open toward other processes, a read-only snapshot for leak checks
+        and tests: ``{"sending": {"<target>/<kind>": {"held": [request ids holding credits],
+        "waiting": puts waiting for a credit, "received": transfers the receiver took off the link, "pending": [sequence numbers of
+        sends not yet complete]}}, "receiving": {link name: {"from": sender, "next": the sequence
+        number expected next, "parked": transfers taken off the link before their get, "error":
+        why the link failed or None}}}``. Credits outlive a link (a dead receiver's stay held
+        until cleanup), so a target may be listed with no link. Both are empty after
+        :meth:`close`; a refused handle opens nothing."""
+        sending: dict[str, dict[str, Any]] = {}
+        for target, kind in {*self._links, *self._credits}:
+            link, credits = self._links.get((target, kind)), self._credits.get((target, kind))
+            received, pending = 0, []
+            if link is not None:
+                with link.lock:
+                    received, pending = link.ledger.received, [send.seq for send in link.pending]
+            sending[f"{target}/{kind}"] = {"held": credits.holders() if credits else [],
+                                           "waiting": len(credits.waiters) if credits else 0,
+                                           "received": received, "pending": pending}
+        receiving: dict[str, dict[str, Any]] = {}
+        for name, rlink in self._rlinks.items():
+            with rlink.cond:
+                receiving[name] = {"from": rlink.sender, "next": rlink.next,
+                                   "parked": len(rlink.stash), "error": rlink.error}
+        return {"sending": sending, "receiving": receiving}
+
     def debug_state(self) -> dict[str, int]:
         parked = 0
         for link in self._rlinks.values():

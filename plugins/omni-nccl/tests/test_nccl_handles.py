@@ -61,7 +61,7 @@ def test_forged_handles_are_refused_before_any_file_is_opened(ctx, tmp_path):
         refused(relay, handle(ctx, dtypes=["object"]), "dtype")
         refused(relay, handle(ctx, host=[True, False]), "host flags")
         refused(relay, b"\xc1", "malformed")
-        assert relay._rlinks == {} and os.listdir(ctx.runtime_dir) == []
+        assert relay.open_links()["receiving"] == {} and os.listdir(ctx.runtime_dir) == []
         assert victim.read_bytes() == b"\0" * 4096
     finally:
         relay.close()

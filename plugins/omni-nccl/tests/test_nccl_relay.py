@@ -22,6 +22,7 @@ from omni_core.relay.base import RelayContext, RelayTimeout
 from omni_core.testing import peer as cmd
 from omni_core.testing.peer import PeerState, RelayPeer, tensor_record
 from omni_core.testing.relay_conformance import sample, shm_entries
+from omni_core.testing.waiting import holds_within
 
 from omni_nccl.ledger import Ledger
 from omni_nccl.relay import NcclRelay, NcclRelayError, _decode
@@ -86,7 +87,18 @@ def records(tensors):
 
 def link_state(state: PeerState) -> dict[str, tuple[int, int, str | None]]:
     """For each link this peer receives on: (next sequence number, parked transfers, error)."""
-    return {name: (link.next, len(link.stash), link.error) for name, link in state.relay._rlinks.items()}
+    return {name: (link["next"], link["parked"], link["error"])
+            for name, link in state.relay.open_links()["receiving"].items()}
+
+
+def held(sender) -> list[int]:
+    """The requests holding credits of ``sender`` toward "b" (cpu)."""
+    return link(sender)["held"]
+
+
+def link(sender) -> dict:
+    """What ``sender`` reports of its link to "b" (cpu); an empty one before it has any."""
+    return sender.open_links()["sending"].get("b/cpu", {"held": [], "received": 0, "pending": []})
 
 
 async def get_error(state: PeerState, handle: bytes) -> str:
@@ -144,7 +156,7 @@ def test_transfer_nobody_gets_is_taken_off_the_link_and_discarded_once_cleaned_u
     assert receiver.call(cmd.get_records, handle, []) == records(kept)
     [(next_seq, parked, error)] = receiver.call(link_state).values()
     assert (next_seq, parked, error) == (3, 0, None), "the lost transfer was received and discarded"
-    assert sender._credits[("b", "cpu")].holders() == []
+    assert held(sender) == []
     assert "stale" in receiver.call(get_error, lost.handle)
 
 
@@ -153,13 +165,10 @@ def test_parked_transfer_is_delivered_to_a_late_get_and_its_send_completes_befor
     first, second = [sample(torch.int64, (100,), seed=1)], [sample(torch.float16, (7,), seed=2)]
     h1, h2 = (run(sender.put(i, t, "b")).handle for i, t in ((1, first), (2, second)))
     assert receiver.call(cmd.get_records, h2, []) == records(second)
-    link = sender._links[("b", "cpu")]
-    deadline = time.monotonic() + 30
-    while link.ledger.received < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert link.ledger.received == 2, "the first transfer was not taken off the link"
+    assert holds_within(lambda: link(sender)["received"] == 2, 30, 0.01), \
+        "the first transfer was not taken off the link"
     run(sender.put(3, [torch.ones(1)], "b"))  # reaps completed sends
-    assert [s.seq for s in link.pending] == [3] or link.pending == type(link.pending)()
+    assert link(sender)["pending"] in ([3], [])
     assert receiver.call(cmd.get_records, h1, []) == records(first)
 
 
@@ -178,9 +187,9 @@ def test_receiver_cleanup_frees_parked_transfers_and_their_credits(make):
     sender, receiver = make.relay("a"), make.peer("b")
     run(sender.put(1, [torch.ones(5)], "b"))
     receiver.call(cmd.get_records, run(sender.put(2, [torch.ones(6)], "b")).handle, [])
-    assert sender._credits[("b", "cpu")].holders() == [1]
+    assert held(sender) == [1]
     receiver.call(cmd.cleanup, 1)
-    assert sender._credits[("b", "cpu")].holders() == []
+    assert held(sender) == []
 
 
 def test_transfers_nobody_receives_are_bounded_by_the_ring(make):
@@ -350,7 +359,7 @@ def test_put_checks_every_item_before_taking_a_credit(make):
         run(sender.put(1, [torch.empty(2, device="meta")], "b"))
     with pytest.raises(ValueError, match="target"):
         run(sender.put(1, [torch.ones(2)], ""))
-    assert sender._credits.get(("b", "cpu")) is None or sender._credits[("b", "cpu")].holders() == []
+    assert held(sender) == []
 
 
 def test_put_after_close_is_an_error(make):

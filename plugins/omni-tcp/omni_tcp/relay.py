@@ -424,6 +424,22 @@ class TcpRelay(Relay):
             for ticket in link.drop_request(request_id):
                 link.release(ticket)
 
+    def open_links(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """What this relay holds open toward other processes, a read-only snapshot for leak checks
+        and tests: ``{"sending": {target: {"held": [request ids holding credits], "waiting": puts
+        waiting for a credit}}, "receiving":
+        {sender address: {"arriving": {ticket: bytes received so far}}}}``. Both are empty after
+        :meth:`close`; a refused handle connects nothing."""
+        with self._lock:
+            targets, links = dict(self._targets), list(self._links.items())
+        receiving: dict[str, dict[str, Any]] = {}
+        for (address, _), link in links:
+            with link.lock:
+                receiving[address] = {"arriving": {t: e.received for t, e in link.incoming.items()}}
+        return {"sending": {name: {"held": tgt.credits.holders(), "waiting": len(tgt.credits.waiters)}
+                            for name, tgt in targets.items()},
+                "receiving": receiving}
+
     def debug_state(self) -> dict[str, int]:
         with self._lock:
             targets, links = list(self._targets.values()), list(self._links.values())
