@@ -100,8 +100,11 @@ class FakeEndpoint(Endpoint):
     # -- in: played by the test ------------------------------------------------------------------
 
     def receive(self, msg: Any, frames: list | None = None) -> None:
-        """Deliver ``msg`` (with its ``frames``) as the inbox would."""
-        self._dispatch(msg, [_Frame(f) for f in frames or []])
+        """Deliver ``msg`` (with its ``frames``) as the inbox would: to the handler the endpoint
+        listens with."""
+        if self.recorder.handler is None:  # a rig that never started the inbox: listen as a process does
+            self.listen()
+        self.recorder.handler(msg, [_Frame(f) for f in frames or []])
 
     def receive_data(self, kind: str, rid: int, stage: str, payload: Any, *, src: str = "", origin: str = "",
                      request_id: str | None = None) -> None:

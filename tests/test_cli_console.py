@@ -387,18 +387,26 @@ def test_an_unknown_log_level_is_a_usage_error(work):
         assert "unknown log level 'loud'; use one of debug, info, warning, error, critical" in result.stderr
 
 
-def test_listeners_see_info_events_below_the_output_level(monkeypatch):
-    import structlog
-
-    from omni_core import logs
-
-    seen: list[dict] = []
-    monkeypatch.setattr(logs, "_level", logs.logging.WARNING)
-    monkeypatch.setattr(logs, "_listeners", [seen.append])
-    with pytest.raises(structlog.DropEvent):  # below the output level: not printed ...
-        logs._dispatch(None, "info", {"event": "process ready", "process": "p"})
-    assert seen == [{"event": "process ready", "process": "p"}]  # ... but seen by the listener
-    assert logs._dispatch(None, "warning", {"event": "w"}) == {"event": "w"}
+def test_listeners_see_info_events_below_the_output_level():
+    probe = textwrap.dedent("""
+        import json
+        from omni_core.logs import add_listener, configure_logging, get_logger
+        seen = []
+        configure_logging("warning", json=True)
+        add_listener(seen.append)
+        get_logger().info("process ready", process="p")
+        get_logger().warning("w")
+        print(json.dumps(seen))
+    """)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_")})
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    # An info event below the output level is seen by the listener ...
+    assert [e["event"] for e in seen] == ["process ready", "w"] and seen[0]["process"] == "p"
+    # ... but not printed; the warning is.
+    printed = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
+    assert printed == ["w"], result.stderr
 
 
 # -- 7. the build and the loaders ----------------------------------------------------------------------

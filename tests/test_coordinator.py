@@ -93,7 +93,7 @@ class Rig:
         return req is not None and not req.future.done()
 
     def result(self, rid: int, stage: str, payload, **kw) -> None:
-        self.ep.receive_data("result", rid, stage, payload, src=stage, origin=self.co._uses[stage][0][0], **kw)
+        self.ep.receive_data("result", rid, stage, payload, src=stage, origin=self.plan.processes_of(stage)[0], **kw)
 
     def sent_to(self, name: str) -> list:
         return [m for t, m, _ in self.ep.sent if t == name]
