@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -166,16 +167,24 @@ class PlayedEndpoint(FakeEndpoint):
 
 
 class RecordingLifecycle(Lifecycle):
-    """A Lifecycle that remembers every state it entered."""
+    """A Lifecycle that remembers every state it entered, and which processes were ready then
+    (``ready``: asked at each change)."""
 
     def __init__(self, pipeline: str):
         super().__init__(pipeline)
         self.history: list[str] = []
+        self.ready: Callable[[], frozenset[str]] = frozenset
+        self.entered: list[tuple[str, frozenset[str]]] = []
 
     def set(self, state: str) -> None:
         if state != self.state:
             self.history.append(state)
+            self.entered.append((state, self.ready()))
         super().set(state)
+
+    def ready_on_entering(self, state: str) -> frozenset[str]:
+        """The processes that were ready when the pipeline last entered ``state``."""
+        return [ready for entered, ready in self.entered if entered == state][-1]
 
 
 class FakeRequests:
@@ -238,6 +247,7 @@ class Rig:
         self.reports = StateReports(self.endpoint, self.lifecycle)
         self.plan = build_plan(self.config, registry)
         self.names = [p.name for p in self.plan.processes]
+        self.lifecycle.ready = lambda: frozenset(n for n in self.names if self.runner.readiness.is_ready(n))
         self._start: asyncio.Task | None = None
 
     @property
@@ -263,6 +273,11 @@ class Rig:
     def ready(self, *names: str) -> None:
         for name in names:
             self.endpoint.receive(wire.Ready(name, self.proc(name).pid))
+
+    async def ready_seen(self, name: str) -> None:
+        """Process ``name`` says Ready, and the runner counts it ready."""
+        self.ready(name)
+        await until(lambda: self.runner.readiness.is_ready(name), f"{name}'s Ready handled")
 
     async def started(self) -> None:
         """Start with every process ready."""
@@ -357,13 +372,12 @@ def test_start_reaches_running_once_every_process_is_ready(rig):
         task = await r.launch()
         assert r.state == "starting"
         assert {n: s["state"] for n, s in r.runner.process_states().items()} == {"a": "starting", "b": "starting"}
-        r.ready("a")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await r.ready_seen("a")
         assert not task.done() and r.state == "starting"
         r.ready("b")
         await asyncio.wait_for(task, 5)
         assert r.state == "running"
+        assert r.lifecycle.ready_on_entering("running") == {"a", "b"}, "running before every process was ready"
         assert r.runner.process_states() == {"a": {"state": "running", "restarts": 0},
                                              "b": {"state": "running", "restarts": 0}}
         assert r.endpoint.listening
@@ -539,12 +553,11 @@ def test_a_dead_tensor_parallel_follower_restarts_its_whole_group(rig):
         states = r.runner.process_states()
         assert states["tp.0"]["state"] == states["tp.1"]["state"] == "restarting"
         assert states["a"]["state"] == "running"
-        r.ready("tp.1")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await r.ready_seen("tp.1")
         assert r.state == "restarting", "the group is back only once every rank is ready"
         r.ready("tp.0")
         await until(lambda: r.state == "running", "running again")
+        assert r.lifecycle.ready_on_entering("running") == set(r.names), "running before every rank was ready"
         assert r.runner.restarts == 1 and r.launches("a") == 1
 
     run(r, body)
@@ -559,12 +572,11 @@ def test_two_groups_restarting_at_once_are_running_only_once_both_are_back(rig):
         r.proc("b").die(-9)
         await until(lambda: r.launches("a") == 2 and r.launches("b") == 2, "both relaunched")
         assert r.runner.restarts == 2
-        r.ready("a")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await r.ready_seen("a")
         assert r.state == "restarting"
         r.ready("b")
         await until(lambda: r.state == "running", "running again")
+        assert r.lifecycle.ready_on_entering("running") == {"a", "b"}, "running before both groups were back"
 
     run(r, body)
 
@@ -653,9 +665,7 @@ def test_a_rank_dying_after_ready_while_its_group_restarts_makes_the_restart_go_
         r.proc("tp.1").die(-9)
         await r.relaunched("tp.0", 1)
         await r.relaunched("tp.1", 1)
-        r.ready("tp.0")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await r.ready_seen("tp.0")
         r.proc("tp.0").die(-9)  # ready, but its group is still restarting
         await until(lambda: len(r.requests.named("fail_where")) == 2, "the second death handled")
         r.ready("tp.1")
