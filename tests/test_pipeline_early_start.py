@@ -19,6 +19,7 @@ from omni_core import PENDING, Pipeline, RequestAborted, StageError
 from omni_core.errors import RequestTimeout
 from omni_core.runtime.context import PayloadPending, StageContext
 from omni_core.runtime.flow import Window
+from omni_core.testing.waiting import suspended
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -227,7 +228,7 @@ def test_payload_returns_at_once_when_given_and_waits_otherwise_from_a_thread_to
         got: list = []
         thread = threading.Thread(target=lambda: got.append(ctx.payload_threadsafe(timeout=10)))
         thread.start()
-        await asyncio.sleep(0)
+        await suspended(waiter)
         assert not waiter.done()
         ctx._arrive({"b": 2})
         assert await waiter == {"b": 2}
@@ -238,7 +239,7 @@ def test_payload_returns_at_once_when_given_and_waits_otherwise_from_a_thread_to
             await ctx.payload()
         pending = StageContext(runtime, 3, "r3")
         cancelled = asyncio.ensure_future(pending.payload())
-        await asyncio.sleep(0)
+        await suspended(cancelled)
         pending._end()  # the call ended while a helper task still waited
         with pytest.raises(asyncio.CancelledError):
             await cancelled
@@ -255,9 +256,9 @@ def test_a_window_wait_cancelled_as_its_credit_comes_raises_cancelled():
         for turns in range(4):  # the cancel comes 0..3 loop turns after the credit
             window = Window(0)
             task = asyncio.ensure_future(window.acquire(30, lambda: "the stream"))
-            await asyncio.sleep(0)
+            await suspended(task)
             window.grant(1)
-            for _ in range(turns):
+            for _ in range(turns):  # the scenario, not a synchronisation: where the cancel lands
                 await asyncio.sleep(0)
             requested = task.cancel()  # False once the task has already taken its credit
             await asyncio.wait([task])
@@ -275,7 +276,7 @@ def test_several_tasks_waiting_on_one_window_each_get_a_credit_as_it_comes():
     async def body():
         window = Window(0)
         tasks = [asyncio.ensure_future(window.acquire(30, lambda: "the stream")) for _ in range(3)]
-        await asyncio.sleep(0)
+        await suspended(*tasks)
         for _ in range(3):
             window.grant(1)
             done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)

@@ -22,6 +22,7 @@ from omni_core.relay.kit import (
     relay_options,
     wait_for_credit,
 )
+from omni_core.testing.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -72,7 +73,7 @@ def test_waiters_are_served_in_fifo_order_and_time_out_with_the_relay_s_text():
             ledger.release(credit.slot)  # the receiver is quick
 
         tasks = [asyncio.create_task(put(rid)) for rid in (1, 2, 3)]
-        await asyncio.sleep(0)
+        await until(lambda: len(credits.waiters) == 3, "the three puts queued for the credit", poll_s=0)
         ledger.release(first.slot)
         await asyncio.gather(*tasks)
         assert order == [1, 2, 3]

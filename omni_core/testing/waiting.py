@@ -6,6 +6,7 @@ these helpers wait exactly as long as the state takes, and fail naming what did 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,18 @@ async def until(predicate: Callable[[], Any], what: str, deadline_s: float = 30.
         if loop.time() > deadline:
             raise AssertionError(f"not within {deadline_s:g} s: {what}")
         await asyncio.sleep(poll_s)
+
+
+async def suspended(*tasks: asyncio.Task, deadline_s: float = 30.0) -> None:
+    """Until every one of ``tasks`` has started and waits on something (its coroutine is
+    suspended) or has finished: what a test needs before it acts on what they wait for (grants
+    the credit, hands over the payload), without counting turns of the event loop. A task that
+    finished instead of waiting is the test's to notice (``assert not task.done()``)."""
+
+    def waiting() -> bool:
+        return all(t.done() or inspect.getcoroutinestate(t.get_coro()) == inspect.CORO_SUSPENDED for t in tasks)
+
+    await until(waiting, f"{len(tasks)} task(s) started and waiting", deadline_s, poll_s=0)
 
 
 def holds_within(predicate: Callable[[], Any], deadline_s: float = 30.0, poll_s: float = 0.02) -> bool:
