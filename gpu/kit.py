@@ -281,6 +281,19 @@ def read_junit(path: Path) -> list[dict]:
     return cases
 
 
+def junit_properties(path: Path) -> dict[str, str]:
+    """The properties the tests of a junit XML file recorded for their suite (pytest's
+    ``record_testsuite_property``, the one kind xunit2 keeps): name -> value, in order."""
+    import xml.etree.ElementTree as ET
+
+    out = {}
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        props = suite.find("properties")
+        for prop in props.iter("property") if props is not None else ():
+            out[prop.get("name", "")] = prop.get("value", "")
+    return out
+
+
 def git_commit() -> dict:
     def git(*args):
         try:

@@ -132,6 +132,7 @@ def test_the_tree_s_gpu_tests_are_selected_and_cpu_only_modules_are_not(kit):
     assert "tests/test_placement.py" not in files["omni-core"]
     assert "tests/test_gpu_kit.py" not in files["omni-core"], "marks inside strings do not count"
     assert "contrib_stages/tests/test_demo_gpu.py" in files["omni-contrib-stages"]
+    assert files["omni-transformers"] == ["plugins/omni-transformers/tests/test_families_gpu.py"]
     assert "plugins/omni-cuda-ipc/tests/test_cuda_ipc_conformance.py" in files["omni-cuda-ipc"]
     assert "omni-ray" not in files, "omni-ray does not travel to the GPU machine"
 
@@ -212,3 +213,88 @@ def test_the_dry_run_installs_what_the_collected_distributions_require_and_the_v
                            text=True, env=check.site_env(tmp_path / "site"), timeout=120)
     assert found.returncode == 0, found.stderr
     assert found.stdout.split() == ["omnitest-absent>=2", "omnitest-absent-test"]
+
+
+def test_the_families_gpu_tests_are_collected_and_skip_without_cuda_or_fail_when_promised(tmp_path, kit):
+    """What gpu/check and its dry run do with omni-transformers' GPU tests here: collect the three (-m cuda),
+    and run them: skipped without CUDA, failed (errors) under OMNI_REQUIRE_CUDA=1, before writing anything."""
+    check = gpu_check()
+    [name] = kit.gpu_test_files()["omni-transformers"]
+    rc, ids, out = check.collect(sys.executable, ROOT, [name])
+    assert rc == 0, out
+    assert {i.rsplit("::", 1)[1] for i in ids} == {
+        "test_qwen3_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone",
+        "test_qwen3_omni_of_realistic_size_answers_one_spoken_request",
+        "test_qwen2_5_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone"}
+    if torch_cuda():
+        pytest.skip("this machine has CUDA: the tests would run")
+    outcomes = {}
+    for require in (None, "1"):
+        junit = tmp_path / f"junit-{require}.xml"
+        cmd, cwd = kit.pytest_command(sys.executable, "omni-transformers", [name], junit)
+        env = {k: v for k, v in os.environ.items() if k != "OMNI_REQUIRE_CUDA"}
+        env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **({"OMNI_REQUIRE_CUDA": require} if require else {}))
+        subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        outcomes[require] = {(c["outcome"], c["message"].splitlines()[0]) for c in kit.read_junit(junit)}
+    assert outcomes[None] == {("skipped", "needs 1 CUDA device, found 0 (the families' GPU pipelines in bfloat16)")}
+    [(outcome, message)] = outcomes["1"]  # failed in setup: an error, which gpu/check counts as a failure
+    assert outcome == "error" and "needs 1 CUDA device, found 0 (the families' GPU pipelines in bfloat16), and " \
+        "OMNI_REQUIRE_CUDA=1 is set" in message
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_numbers_the_tests_record_for_their_suite_reach_the_results(tmp_path, kit):
+    """gpu/check's junit is xunit2, which keeps only the suite's properties: what a test records there
+    (record_testsuite_property) is read back with the test's results."""
+    (tmp_path / "test_numbers.py").write_text(
+        "def test_a(record_testsuite_property):\n"
+        "    record_testsuite_property('test_a.first_audio_s', 0.25)\n"
+        "    record_testsuite_property('test_a.tokens', 12)\n")
+    junit = tmp_path / "j.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "junit_family=xunit2",
+                    f"--junitxml={junit}", "test_numbers.py"], cwd=tmp_path, capture_output=True, timeout=120,
+                   env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert kit.junit_properties(junit) == {"test_a.first_audio_s": "0.25", "test_a.tokens": "12"}
+    markdown = gpu_check().markdown({"started": "2026-12-07T10:00:00+00:00", "tests": {"omni-transformers": {
+        "status": "ok", "seconds": 1.0, "counts": {"passed": 1, "failed": 0, "error": 0, "skipped": 0},
+        "cases": [], "recorded": kit.junit_properties(junit)}}})
+    assert "- omni-transformers: `test_a.first_audio_s` = 0.25" in markdown
+
+
+def test_dist_runs_only_the_named_distributions_tests_within_their_caps():
+    check = gpu_check()
+    lines: list[str] = []
+    files = check.plan(lines.append, ["omni-transformers"])
+    assert files["omni-transformers"] == ["plugins/omni-transformers/tests/test_families_gpu.py"]
+    assert all(not names for dist, names in files.items() if dist != "omni-transformers")
+    assert "  omni-core: not run (not named by --dist)" in lines
+    assert check.tests_limit(["omni-transformers"]) == check.TEST_CAPS["omni-transformers"]
+    assert check.tests_limit(None) == check.PHASES["tests"]
+
+
+def test_omni_s_wheels_are_built_from_copies_without_build_leftovers(tmp_path):
+    """setuptools never empties build/lib: a module deleted from the tree would still be in a wheel built in
+    place. gpu/prepare builds from copies of the source folders without build/ and the like."""
+    from importlib.machinery import SourceFileLoader
+
+    sys.path.insert(0, str(ROOT / "gpu"))
+    loader = SourceFileLoader("omni_gpu_prepare", str(ROOT / "gpu" / "prepare"))
+    spec = importlib.util.spec_from_loader("omni_gpu_prepare", loader)
+    prepare = importlib.util.module_from_spec(spec)
+    loader.exec_module(prepare)
+    copies = {p.name: p for p in prepare.clean_sources(tmp_path)}
+    assert set(copies) == set(prepare.kit.DISTS)
+    for dist, copy in copies.items():
+        left = [p for p in copy.rglob("*") if p.name in ("build", "__pycache__") or p.name.endswith(".egg-info")]
+        assert not left, f"{dist}: {left[:3]}"
+        assert (copy / "pyproject.toml").is_file()
+    root = copies["omni-core"]
+    assert (root / "omni_core" / "__init__.py").is_file()
+    assert not (root / "plugins").exists() and not (root / "contrib_stages").exists()
+    assert (copies["omni-transformers"] / "omni_transformers" / "qwen3_omni" / "tiny.py").read_bytes() == \
+        (ROOT / "plugins/omni-transformers/omni_transformers/qwen3_omni/tiny.py").read_bytes()

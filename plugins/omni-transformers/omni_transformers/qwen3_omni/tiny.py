@@ -185,7 +185,7 @@ def _init_talker_moe(model, generator, std: float) -> None:
     for layer in model.talker.model.layers:
         mlp = layer.mlp
         for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
-            weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+            weight.copy_(torch.randn(weight.shape, generator=generator, device=generator.device) * std)
 
 
 def _init_code2wav(model, generator) -> None:
@@ -195,40 +195,60 @@ def _init_code2wav(model, generator) -> None:
     import torch
 
     code2wav = model.code2wav
+    device = generator.device
     for module in code2wav.modules():
         if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d | torch.nn.Linear):
             fan_in = module.weight.shape[1] * (module.weight[0, 0].numel() if module.weight.dim() > 2 else 1)
             if isinstance(module, torch.nn.ConvTranspose1d):
                 fan_in = module.weight.shape[0] * module.weight.shape[2]
             bound = 1 / math.sqrt(fan_in)
-            module.weight.copy_((torch.rand(module.weight.shape, generator=generator) * 2 - 1) * bound)
+            module.weight.copy_((torch.rand(module.weight.shape, generator=generator, device=device) * 2 - 1) * bound)
             if module.bias is not None:
-                module.bias.copy_((torch.rand(module.bias.shape, generator=generator) * 2 - 1) * bound)
+                module.bias.copy_((torch.rand(module.bias.shape, generator=generator, device=device) * 2 - 1) * bound)
     emb = code2wav.code_embedding.weight
-    emb.copy_(torch.randn(emb.shape, generator=generator) * CODE_EMBEDDING_STD)
+    emb.copy_(torch.randn(emb.shape, generator=generator, device=device) * CODE_EMBEDDING_STD)
 
 
-def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to ``path`` (created if missing) and return it."""
+def random_model(config=None, *, seed: int = 0, device: str = "cpu", dtype: str | None = None):
+    """A random ``Qwen3OmniMoeForConditionalGeneration`` of ``config`` (default: the tiny one, :func:`tiny_config`),
+    built on ``device`` and initialised as the tiny checkpoint is (the talker's experts and routers, code2wav, the
+    end rows of the heads), then cast to ``dtype`` (None: float32). A larger ``config`` gives a random checkpoint of
+    realistic size (the GPU test writes one)."""
     import torch
     import transformers
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
+    from ..kit.sampling import torch_dtype
+
     transformers.logging.set_verbosity_error()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config()
+    config = tiny_config() if config is None else config
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    with torch.device(device):
+        model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    g = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         _init_talker_moe(model, g, config.talker_config.initializer_range)
         _init_code2wav(model, g)
         model.thinker.lm_head.weight[SPECIAL["<|im_end|>"]] *= THINKER_EOS_SCALE
         model.talker.codec_head.weight[CODEC_EOS] *= TALKER_EOS_SCALE
+    want = torch_dtype(dtype)
+    return model if want is None else model.to(want)
+
+
+def save_checkpoint(model, path) -> Path:
+    """Write ``model`` (a ``Qwen3OmniMoeForConditionalGeneration`` over the tiny vocabulary's ids) to ``path``
+    (created if missing) as the real checkpoint's file layout: its weights and config by ``save_pretrained``, the
+    tiny tokenizer, ``chat_template.jinja`` and ``preprocessor_config.json``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(path)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
     return path
+
+
+def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
+    """Write the tiny checkpoint to ``path`` (created if missing) and return it."""
+    return save_checkpoint(random_model(seed=seed), path)
