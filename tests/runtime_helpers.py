@@ -40,6 +40,26 @@ async def until_state(p, predicate, what: str, deadline_s: float = 30.0) -> dict
         await asyncio.sleep(0.02)
 
 
+def journal_runs(journal: str, pid: int) -> set[str]:
+    """The request ids process ``pid`` started a call for, as the ``Journal`` stage wrote them
+    (its processes may be writing: a line not yet whole is left out)."""
+    try:
+        with open(journal) as f:
+            entries = [line.split() for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return set()
+    return {words[1] for words in entries if len(words) == 2 and words[0] == str(pid)}
+
+
+async def under_load(tasks, journal: str, pid: int, served: int = 0) -> None:
+    """Until ``served`` of the request ``tasks`` were answered, then until process ``pid`` (a
+    ``Journal`` stage writing to ``journal``) starts one more call: the moment a test kills it
+    under load, with requests answered before, in its hands, and still to come."""
+    await until(lambda: sum(t.done() for t in tasks) >= served, f"{served} requests answered", 60)
+    before = len(journal_runs(journal, pid))
+    await until(lambda: len(journal_runs(journal, pid)) > before, f"process {pid} starting a call", 60)
+
+
 def running_in(process: str, stage_name: str | None = None):
     """An :func:`until_state` predicate: ``stage_name`` (default: the process's name) in
     ``process`` is running at least one request."""

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, journal_runs, no_leaks, pipeline, stage, under_load, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 
@@ -28,17 +28,18 @@ def chain(journal: str, slots: int = 8) -> dict:
     )
 
 
-async def _load_and_kill(p: Pipeline, victim: str, n: int = 200) -> tuple[list, set[str]]:
-    """``n`` submits of a 64 KiB tensor 5 ms apart; SIGKILL ``victim`` 0.2 s in; wait for the
-    restart. Returns the outcomes and the request ids that failed with ProcessDied."""
+async def _load_and_kill(p: Pipeline, journal: str, victim: str, n: int = 200) -> tuple[list, set[str]]:
+    """``n`` submits of a 64 KiB tensor 5 ms apart; SIGKILL ``victim`` once 20 were answered, as
+    it starts a call; wait for the restart. Returns the outcomes and the request ids that failed
+    with ProcessDied."""
     old = p.pids()[victim]
 
     async def one(i: int):
-        await asyncio.sleep(0.005 * i)
+        await asyncio.sleep(0.005 * i)  # the load: arrivals 5 ms apart
         return await p.submit({"t": torch.full((16384,), float(i)), "sleep": 0.01, "block": True}, request_id=f"r{old}-{i}")
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-    await asyncio.sleep(0.2)
+    await under_load(tasks, journal, old, served=20)
     os.kill(old, signal.SIGKILL)
     await until(lambda: p.running and p.pids()[victim] not in (None, old), f"{victim} restarted", 60)
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -64,17 +65,12 @@ async def _settled(p: Pipeline) -> None:
         await asyncio.sleep(0.05)
 
 
-def _runs_after(journal: str, pid: int) -> set[str]:
-    with open(journal) as f:
-        return {line.split()[1] for line in f if line.split()[0] == str(pid)}
-
-
 def test_a_restarted_middle_process_runs_no_failed_request_and_leaks_no_slot(tmp_path):
     journal = str(tmp_path / "journal")
 
     async def body():
         async with Pipeline(chain(journal)) as p:
-            _, failed = await _load_and_kill(p, "b")
+            _, failed = await _load_and_kill(p, journal, "b")
             new_b = p.pids()["b"]
 
             assert failed, "the kill failed no request: the reproduction did not reproduce"
@@ -82,7 +78,7 @@ def test_a_restarted_middle_process_runs_no_failed_request_and_leaks_no_slot(tmp
             out = await asyncio.wait_for(p.submit({"t": torch.ones(16384), "sleep": 0}), 15)
             assert torch.equal(out["t"], torch.ones(16384))
             await _settled(p)
-            assert not (_runs_after(journal, new_b) & failed), "the new process ran requests already failed"
+            assert not (journal_runs(journal, new_b) & failed), "the new process ran requests already failed"
 
     arun(body(), timeout=200)
 
@@ -96,7 +92,7 @@ def test_twenty_restarts_leak_no_slot_and_every_later_request_is_served(tmp_path
                 old = p.pids()["b"]
                 tasks = [asyncio.ensure_future(p.submit({"t": torch.ones(16384), "sleep": 0.01, "block": True}))
                          for _ in range(24)]
-                await asyncio.sleep(0.05)
+                await under_load(tasks, journal, old)
                 os.kill(old, signal.SIGKILL)
                 await until(lambda old=old: p.running and p.pids()["b"] not in (None, old), "b restarted", 60)
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)

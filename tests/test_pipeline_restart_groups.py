@@ -12,11 +12,12 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, running_in, stage, until, until_state  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 from omni_core.config import load_config
 from omni_core.errors import PipelineClosed, ProcessHung
+from omni_core.testing.waiting import suspended
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -70,7 +71,7 @@ def test_a_stopped_process_is_detected_by_its_missing_heartbeats():
         async with Pipeline(cfg) as p:
             victim = p.pids()["s"]
             task = asyncio.ensure_future(p.submit({"sleep": 60}))
-            await asyncio.sleep(0)
+            await until_state(p, running_in("s"), "the request to reach s")
             os.kill(victim, signal.SIGSTOP)
             try:
                 with pytest.raises(ProcessHung) as info:
@@ -112,8 +113,7 @@ def test_a_request_submitted_while_restarting_waits_for_the_restart_then_is_serv
             os.kill(old["g"], signal.SIGKILL)
             await until(lambda: not p.running, "the pipeline noticed the death")
             waiting = asyncio.ensure_future(p.submit({"n": 1}))
-            for _ in range(20):  # let the submission run as far as it can
-                await asyncio.sleep(0)
+            await suspended(waiting)  # as far as it goes: admitted, it would wait for its result
             assert not waiting.done(), "a request submitted while restarting must wait for the restart"
             assert not p.requests, "a request was admitted while its process group was restarting"
             gate.touch()

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, stage, under_load, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied, metrics
 
@@ -35,17 +35,18 @@ async def _killed(p: Pipeline, victim: str) -> None:
 
 
 def test_crash_under_load_of_a_retryable_pipeline_fails_no_request(tmp_path):
-    cfg = chain(str(tmp_path / "journal"), retry={"attempts": 3})
+    journal = str(tmp_path / "journal")
+    cfg = chain(journal, retry={"attempts": 3})
 
     async def body():
         async with Pipeline(cfg) as p:
             async def one(i: int):
-                await asyncio.sleep(0.005 * i)
+                await asyncio.sleep(0.005 * i)  # the load: arrivals 5 ms apart
                 return await p.submit({"t": torch.full((16384,), float(i)), "sleep": 0.01, "block": True},
                                       request_id=f"r{i}")
 
             tasks = [asyncio.ensure_future(one(i)) for i in range(200)]
-            await asyncio.sleep(0.2)
+            await under_load(tasks, journal, p.pids()["b"], served=20)
             await _killed(p, "b")
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
             for i, o in enumerate(outcomes):
