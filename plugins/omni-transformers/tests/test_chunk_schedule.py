@@ -5,6 +5,8 @@ FAST_* bound), whatever the codes' arrival."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -120,3 +122,23 @@ def test_a_bad_mode_is_named_before_anything_loads(tiny_model):
     assert issue.path == "mode" and issue.message == "mode must be one of exact, fast, got 'quick'"
     with pytest.raises(ValueError, match="mode must be one of exact, fast, got 'quick'"):
         Token2Wav(str(tiny_model), mode="quick")
+
+
+def test_the_speaker_encoder_runs_once_per_ode_run_and_changes_no_bit(stages, monkeypatch):
+    stage = stages["exact"]
+    codes = torch.randint(0, 8000, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    speaker = speaker_params(stage.speakers, "Chelsie")
+    encoder, calls = stage.speaker_encoder, []
+
+    def counted(reference):
+        calls.append(reference.shape)
+        return encode(reference)
+
+    encode = encoder.encode
+    monkeypatch.setattr(encoder, "encode", counted)
+    once = stage._synthesize(codes, speaker, make_generator(3))
+    assert len(calls) == 1  # of 4 x (num_steps - 1) = 36 evaluations
+    monkeypatch.setattr(encoder, "once", contextlib.nullcontext)  # every evaluation encodes, as transformers does
+    every = stage._synthesize(codes, speaker, make_generator(3))
+    assert len(calls) == 1 + 4 * (stage.options["num_steps"] - 1)
+    assert torch.equal(once, every)

@@ -24,7 +24,10 @@ The chunk schedule (``first_chunk_codes``, then chunks ``chunk_growth`` times la
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -104,6 +107,7 @@ class Token2Wav(StreamingVocoder):
         self.schedule = ChunkSchedule.for_mode(mode, math.lcm(dit.block_size, dit.repeats) // dit.repeats, SCHEDULES,
                                                first=first_chunk_codes, growth=chunk_growth, largest=max_chunk_codes,
                                                lookahead=lookahead_codes, lookback=lookback_codes)
+        self.speaker_encoder = SpeakerEncoderOnce(dit.input_embed.spk_encoder)
         vocoder = self.model.code2wav_bigvgan_model
         self.hop = math.prod(vocoder.config.upsample_rates)
         if vocoder_context is None:
@@ -156,7 +160,8 @@ class Token2Wav(StreamingVocoder):
         sway = self.options["sway_coefficient"]
         if sway is not None:
             times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
-        trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
+        with self.speaker_encoder.once():
+            trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
         return trajectory[-1]
 
     def run_windows(self, windows: list[_Window]) -> list[torch.Tensor]:
@@ -192,6 +197,37 @@ class Token2Wav(StreamingVocoder):
             return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
     _synthesize = synthesize  # the name tests use
+
+
+class SpeakerEncoderOnce:
+    """The DiT's speaker encoder (an ECAPA-TDNN over the reference mel) computed once per ODE run
+    instead of at each of its 4 × (num_steps − 1) evaluations: the DiT's forward encodes the same
+    reference mels every time, whatever the time step. Inside :meth:`once` (per thread) the
+    encoder's first output is kept and given back for the rest; outside it the encoder runs as
+    before. The output is the same tensor the encoder gives (bit for bit); on this CPU the encoder
+    was more than half a small window's DiT run (docs/models.md)."""
+
+    def __init__(self, encoder: torch.nn.Module):
+        self.encode = encoder.forward
+        self.kept = threading.local()
+        encoder.forward = self  # an instance attribute: the module's weights and state dict unchanged
+
+    def __call__(self, reference: torch.Tensor) -> torch.Tensor:
+        kept = getattr(self.kept, "outputs", None)
+        if kept is None:
+            return self.encode(reference)
+        if reference.shape not in kept:
+            kept[reference.shape] = self.encode(reference)
+        return kept[reference.shape]
+
+    @contextlib.contextmanager
+    def once(self) -> Iterator[None]:
+        """Around one ODE run: its reference mels are encoded once."""
+        self.kept.outputs = {}
+        try:
+            yield
+        finally:
+            self.kept.outputs = None
 
 
 @attrs.define
