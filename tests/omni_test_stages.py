@@ -339,6 +339,15 @@ def _wait_for_file(path: str, deadline_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+async def _gate(path: str, deadline_s: float = 60.0) -> None:
+    """Until the test creates ``path`` (a TimeoutError past ``deadline_s``: no call waits forever)."""
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} never appeared")
+        await asyncio.sleep(0.01)
+
+
 class TensorChunks:
     """Emits ``n`` chunks ``{"i": i, "t": a tensor full of i}`` (every ``plain``-th one without a
     tensor), raising after the first when ``fail`` is set; then returns its payload."""
@@ -391,8 +400,7 @@ class Raise:
         if name:
             raise _BASE_EXCEPTIONS[name]("raised by the stage")
         if payload.get("gate"):
-            while not os.path.exists(payload["gate"]):
-                await asyncio.sleep(0.01)
+            await _gate(payload["gate"])
         return {"ok": payload.get("n"), "pid": os.getpid()}
 
 
@@ -523,8 +531,7 @@ class FailAtGate:
     """Waits for the file ``payload["gate"]``, then fails (a payload that never comes)."""
 
     async def __call__(self, payload, ctx):
-        while not os.path.exists(payload["gate"]):
-            await asyncio.sleep(0.01)
+        await _gate(payload["gate"])
         raise RuntimeError("the payload's stage failed")
 
 

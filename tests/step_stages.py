@@ -23,21 +23,29 @@ def report(**extra) -> dict:
 
 
 class Gate:
-    """Holds callers until ``rows`` of them arrived (so they share every step from the first)."""
+    """Holds callers until ``rows`` of them arrived (so they share every step from the first);
+    the last to arrive leaves after every other left (they join the loop first)."""
 
     def __init__(self, rows: int):
         self.rows = rows
-        self.arrived = 0
+        self.arrived = self.left = 0
         self.event: asyncio.Event | None = None
+        self.others_left: asyncio.Event | None = None
 
     async def wait(self) -> None:
         if self.event is None:
-            self.event = asyncio.Event()
+            self.event, self.others_left = asyncio.Event(), asyncio.Event()
+        assert self.others_left is not None
         self.arrived += 1
         if self.arrived >= self.rows:
             self.event.set()
-            await asyncio.sleep(0)  # join after the others, which the set just woke
+            if self.rows > 1:
+                await self.others_left.wait()
+            return
         await self.event.wait()
+        self.left += 1
+        if self.left == self.rows - 1:
+            self.others_left.set()
 
 
 class Stepper:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 from plugin_fixtures import run_omni
-from runtime_helpers import no_leaks  # noqa: F401
+from runtime_helpers import no_leaks, until  # noqa: F401
 
 from omni_core.config import load_config
 from omni_core.encoding import EncodingError, from_jsonable, to_jsonable
@@ -149,7 +149,6 @@ def test_restarts_are_the_pids_a_process_name_exported_beyond_the_first():
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leaks")
 def test_an_embedder_gets_the_same_metrics_without_the_server():
-    import asyncio
 
     from runtime_helpers import arun
 
@@ -162,11 +161,9 @@ def test_an_embedder_gets_the_same_metrics_without_the_server():
             assert (await meter.submit({"text": "a b"}))["count"] == 2
             chunks = [e async for e in meter.stream({"text": "c d e"}) if not e.is_result]
             assert len(chunks) == 3
-            text = meter.prometheus_text()
-            while 'omni_stage_calls_total{stage="words",status="ok"} 2.0' not in text:  # exported every 0.25 s
-                await asyncio.sleep(0.05)
-                text = meter.prometheus_text()
-            return text
+            exported = 'omni_stage_calls_total{stage="words",status="ok"} 2.0'  # every 0.25 s
+            await until(lambda: exported in meter.prometheus_text(), "the stage's calls exported")
+            return meter.prometheus_text()
 
     text = arun(main(), timeout=90)
     assert 'omni_requests_total{pipeline="words",status="ok"} 2.0' in text
