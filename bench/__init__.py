@@ -6,6 +6,6 @@ Scenarios: ``hop`` (per-hop latency), ``throughput`` (requests/s at a given conc
 ``relay`` (GB/s of each installed relay against memcpy), ``startup`` (time to ready against bare
 torch-importing processes), ``scale`` (latency and memory as in-flight requests and payloads
 grow). hop, throughput and stream also report CPU µs per message of every process
-(``bench/cpu.py``); ``--doc docs/performance.md`` rewrites that page's tables (``bench/report.py``). This package imports neither torch nor omni at import time: baseline worker processes
+(``bench/cpu.py``); ``--doc docs/performance`` rewrites the tables of its pages (``bench/report.py``). This package imports neither torch nor omni at import time: baseline worker processes
 import it and must start bare.
 """

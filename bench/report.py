@@ -1,8 +1,8 @@
-"""Regenerate the measured parts of docs/performance.md from result files.
+"""Regenerate the measured parts of the performance pages (docs/performance/) from result files.
 
-The page is prose written by hand around blocks the bench writes: every scenario's tables sit
+The pages are prose written by hand around blocks the bench writes: every scenario's tables sit
 between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``. ``python -m bench ... --doc
-docs/performance.md`` replaces each block whose scenario it ran (or, with ``--replot``, read back
+docs/performance`` (the folder, or one page of it) replaces each block whose scenario it ran (or, with ``--replot``, read back
 from ``--out``) with that run's summary tables and a line saying when, where and under what load
 it was measured. Blocks of other scenarios, and everything outside the blocks, stay as they are.
 """
@@ -68,18 +68,24 @@ def _first_line(note: str, limit: int = 400) -> str:
 
 
 def update(path: Path, docs: dict[str, dict[str, Any]], modules: dict[str, Any]) -> list[str]:
-    """Replace the block of every scenario in ``docs`` in the page at ``path``; returns the
-    names of the scenarios whose markers are missing from the page."""
-    text = path.read_text()
-    missing = []
-    for name, doc in docs.items():
-        pattern = re.compile(re.escape(_begin(name)) + r".*?" + re.escape(_end(name)), re.S)
-        if not pattern.search(text):
-            missing.append(name)
-            continue
-        body = block(modules[name], doc)
-        text = pattern.sub(lambda _m, body=body, name=name: f"{_begin(name)}\n{body}\n{_end(name)}", text, count=1)
-    path.write_text(text)
+    """Replace the block of every scenario in ``docs`` in the page at ``path``, or in every page of the
+    folder at ``path`` (docs/performance/: each topic page holds its scenarios' blocks); returns the
+    names of the scenarios whose markers are on no page."""
+    pages = sorted(path.rglob("*.md")) if path.is_dir() else [path]
+    written: set[str] = set()
+    for page in pages:
+        text = page.read_text()
+        new = text
+        for name, doc in docs.items():
+            pattern = re.compile(re.escape(_begin(name)) + r".*?" + re.escape(_end(name)), re.S)
+            if not pattern.search(new):
+                continue
+            body = block(modules[name], doc)
+            new = pattern.sub(lambda _m, body=body, name=name: f"{_begin(name)}\n{body}\n{_end(name)}", new, count=1)
+            written.add(name)
+        if new != text:
+            page.write_text(new)
+    missing = [name for name in docs if name not in written]
     for name in missing:
         common.log(f"{path}: no '{_begin(name)}' ... '{_end(name)}' block: the {name} tables were not written there")
     return missing

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ray.add_argument("--no-ray", dest="ray", action="store_false", help="never run the Ray peer")
     parser.add_argument("--replot", action="store_true", help="redraw plots and tables from the JSON in --out; measure nothing")
     parser.add_argument("--doc", type=Path, default=None,
-                        help="rewrite the <!-- bench:NAME --> blocks of this page (docs/performance.md) with the tables of the scenarios run or replotted")
+                        help="rewrite the <!-- bench:NAME --> blocks of this page, or of every page in this folder (docs/performance), with the tables of the scenarios run or replotted")
     return parser.parse_args(argv)
 
 

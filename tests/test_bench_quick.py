@@ -255,3 +255,15 @@ def test_doc_blocks_are_rewritten_and_the_prose_kept(results, tmp_path):
     assert text.endswith("<!-- /bench:stream -->\n\nprose after\n")
     assert "old table" not in text and "| relay " in text and "Checks met:" in text
     assert "\n\n\n" not in text
+
+
+def test_doc_blocks_are_rewritten_on_whichever_page_of_a_folder_holds_them(results, tmp_path):
+    from bench import report
+
+    (tmp_path / "chains.md").write_text("# chains\n\n<!-- bench:stream -->\nold\n<!-- /bench:stream -->\n")
+    (tmp_path / "notes.md").write_text("# notes, no block\n")
+    docs = {name: results[name][0] for name in ("stream", "hop")}
+    missing = report.update(tmp_path, docs, {name: runner.scenario_module(name) for name in docs})
+    assert missing == ["hop"]
+    assert "old" not in (tmp_path / "chains.md").read_text()
+    assert (tmp_path / "notes.md").read_text() == "# notes, no block\n"

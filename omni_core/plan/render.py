@@ -209,7 +209,7 @@ def _render_nodes(plan: Plan, lines: list[str]) -> str:
         [[e.src, e.dst, e.kind, _relay_text(e), "yes" if e.crosses_nodes else "no", _cost_text(e)]
          for e in plan.edges])
     if any(e.crosses_nodes for e in plan.edges):
-        lines.append("  cost: what the relay's benchmark measured between two nodes (docs/performance.md); "
+        lines.append("  cost: what the relay's benchmark measured between two nodes (docs/performance/relays.md); "
                      "'not measured' when the relay declares none")
     coordinator, addresses = _endpoints(plan)
     rows = [[f"({COORDINATOR})", coordinator, "tcp + CurveZMQ (port chosen at start)" if "" in tcp else "-"]]
