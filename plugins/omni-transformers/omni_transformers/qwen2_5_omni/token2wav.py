@@ -164,21 +164,38 @@ class Token2Wav(StreamingVocoder):
             trajectory = RungeKutta4ODESolver(function=ode_function, initial_value=noise).integrate(times)
         return trajectory[-1]
 
-    def run_windows(self, windows: list[_Window]) -> list[torch.Tensor]:
-        """The mel [frames, mel dim] of each window: windows of one length and one reference mel
-        shape run through the ODE together (their rows are computed as each alone would be)."""
+    def run_windows(self, windows: list[_Window]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each window's chunk before trimming: (its own mel [frames, mel dim], the waveform vocoded
+        from it with its context). Windows of one length and one reference mel shape run through the
+        ODE together, and the vocoder inputs of one length through BigVGAN together (their rows are
+        computed as each alone would be)."""
         groups: dict[tuple, list[int]] = {}
         for i, w in enumerate(windows):
             ref = w.synthesis.speaker["ref_mel"]
             groups.setdefault((len(w.codes), tuple(ref.shape)), []).append(i)
-        mels: list[torch.Tensor | None] = [None] * len(windows)
+        mels: list = [None] * len(windows)
         for members in groups.values():
             batch = [windows[i] for i in members]
             speakers = [w.synthesis.speaker for w in batch]
             mel = self._mel([w.codes for w in batch], torch.stack([w.noise for w in batch]), speakers)
             for row, i in enumerate(members):
                 mels[i] = mel[row].float()
-        return mels
+        inputs = [w.synthesis.vocoder_input(w, mel) for w, mel in zip(windows, mels, strict=True)]
+        waves = self._vocode([vocoded for vocoded, _ in inputs])
+        return [(own, wave) for (_, own), wave in zip(inputs, waves, strict=True)]
+
+    def _vocode(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """BigVGAN on each mel [frames, mel dim] → its waveform; mels of one length in one call."""
+        groups: dict[int, list[int]] = {}
+        for i, mel in enumerate(mels):
+            groups.setdefault(mel.shape[0], []).append(i)
+        waves: list = [None] * len(mels)
+        for members in groups.values():
+            batch = torch.stack([mels[i] for i in members]).transpose(1, 2)
+            out = self.model.code2wav_bigvgan_model(batch).reshape(len(members), -1).float().cpu()
+            for row, i in enumerate(members):
+                waves[i] = out[row]
+        return waves
 
     def _check_length(self, n_codes: int) -> None:
         dit = self.model.code2wav_dit_model
@@ -300,20 +317,25 @@ class ChunkedSynthesis:
         noise = self._noise(window_end * rep, n * rep if final else None)[window_start * rep:]
         return _Window(self, codes[window_start:window_end], noise, window_start, start, end, scheduled, final)
 
-    def finish(self, window: _Window, mel: torch.Tensor) -> torch.Tensor:
-        """The chunk's audio from its window's mel [frames, mel dim]: vocoded with the receptive
-        field's context on each side, trimmed to the chunk's own samples."""
-        stage = self.stage
-        rep = stage.repeats
+    def vocoder_input(self, window: _Window, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What BigVGAN vocodes for the chunk from its window's mel [frames, mel dim]: the chunk's
+        own mel frames with the receptive field's context on each side (the left from the chunks
+        before), and the own frames with their right context."""
+        rep, ctx = self.stage.repeats, self.stage.vocoder_context
         first, last = window.start * rep, window.end * rep  # this chunk's mel frames
         offset = window.window_start * rep
-        ctx = stage.vocoder_context
         left = self.mel[max(0, first - ctx):first]
         right_end = min(offset + mel.shape[0], last + ctx)
         own = mel[first - offset:right_end - offset]
-        vocoded = torch.cat([left.to(own.device), own]).T[None]
-        wave = stage.model.code2wav_bigvgan_model(vocoded).reshape(-1).float().cpu()
-        skip = left.shape[0] * stage.hop
+        return torch.cat([left.to(own.device), own]), own
+
+    def finish(self, window: _Window, out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The chunk's audio from its own mel and the waveform vocoded with its context
+        (:meth:`Token2Wav.run_windows`), trimmed to the chunk's own samples."""
+        stage = self.stage
+        own, wave = out
+        first, last = window.start * stage.repeats, window.end * stage.repeats
+        skip = min(first, stage.vocoder_context) * stage.hop  # the left context's samples
         audio = wave[skip:skip + (last - first) * stage.hop] if window.scheduled else wave[skip:]
         self.mel = torch.cat([self.mel, own[:last - first].cpu()])
         self.done = window.end
