@@ -23,6 +23,7 @@ import openai
 import pytest
 import soundfile
 from audio_stages import RATE, speak, transcribe
+from speech_configs import asr_config, tts_config
 
 from omni_core.testing.serve import ServerProcess, openai_client
 
@@ -30,44 +31,12 @@ pytestmark = pytest.mark.timeout(300)
 
 HERE = Path(__file__).parent
 
-ASR = """
-name: asr
-stages:
-  - name: asr
-    factory: audio_stages:Transcriber
-    terminal: true
-serve:
-  apis: [openai]
-  max_request_bytes: 1000000
-  options:
-    openai:
-      kind: asr
-      text_joiner: " "
-      audio:
-        language_key: language
-        prompt_key: prompt
-        text_joiner: " "
-        max_audio_seconds: 20
-"""
+# The ASR pipeline as its tests ask it: language and prompt keys, at most 20 s of audio, 1 MB bodies.
+ASR_OPTIONS: dict = {"audio": {"language_key": "language", "prompt_key": "prompt", "max_audio_seconds": 20},
+                     "serve": {"max_request_bytes": 1000000}}
+ASR = asr_config(**ASR_OPTIONS)
 
-TTS = """
-name: tts
-stages:
-  - name: tts
-    factory: audio_stages:Speaker
-    terminal: true
-serve:
-  apis: [openai]
-  options:
-    openai:
-      kind: tts
-      audio_stage: tts
-      voices: ["0", "1"]
-      voice_key: voice
-      sample_rate: 24000
-      audio:
-        speed_key: speed
-"""
+TTS = tts_config(audio={"speed_key": "speed"})
 
 
 def serve(tmp_path_factory, name: str, config: str, env: dict[str, str] | None = None, *args: str):
@@ -368,8 +337,7 @@ def test_speech_as_server_sent_events(tts_client):
 @pytest.fixture(scope="module")
 def tts16k(tmp_path_factory):
     """The toy TTS speaking at 16 kHz (20 ms per character)."""
-    config = TTS.replace("    terminal: true\n", "    terminal: true\n    args: {samples_per_char: 320, rate: 16000}\n", 1)
-    config = config.replace("sample_rate: 24000", "sample_rate: 16000")
+    config = tts_config(args={"samples_per_char": 320, "rate": 16000}, audio={"speed_key": "speed"}, sample_rate=16000)
     with serve(tmp_path_factory, "tts16k", config) as srv:
         yield srv
 
@@ -526,7 +494,7 @@ def test_a_client_leaving_mid_speech_aborts_its_request(tts, tts_client):
 
 
 def test_the_audio_routes_need_the_api_key(tmp_path_factory):
-    with serve(tmp_path_factory, "keyed", ASR.replace("name: asr", "name: keyed"), None, "--api-key", "sesame") as srv:
+    with serve(tmp_path_factory, "keyed", asr_config("keyed", **ASR_OPTIONS), None, "--api-key", "sesame") as srv:
         data = audio_file("WAV")
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0, timeout=60) as c, \
                 pytest.raises(openai.AuthenticationError):

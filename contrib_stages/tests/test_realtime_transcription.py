@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 from omni_contrib_stages.api_common import wav_bytes
+from speech_configs import asr_config
 
 from omni_core.testing.serve import ServerProcess
 from omni_core.testing.waiting import events_until
@@ -26,25 +27,8 @@ SPEECH_WAV = HERE / "data" / "hello_24k.wav"
 
 # The toy ends its text with a digest of the samples it got (at 16 kHz: both paths resample), so equal
 # transcripts mean equal samples; no timestamps_key: it is never asked for segments.
-ASR = """
-name: asr
-stages:
-  - name: asr
-    factory: audio_stages:Transcriber
-    args: {digest: true}
-    terminal: true
-serve:
-  apis: [openai]
-  options:
-    openai:
-      kind: asr
-      text_joiner: " "
-      audio:
-        text_joiner: " "
-        max_audio_seconds: 30
-        input_sample_rate: 16000
-        timestamps_key: null
-"""
+ASR = asr_config(args={"digest": True},
+                 audio={"max_audio_seconds": 30, "input_sample_rate": 16000, "timestamps_key": None})
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+from speech_configs import asr_config, tts_config
 
 from omni_core.serve.server import PIPELINE_FAILED_EXIT
 from omni_core.testing.serve import ServerProcess
@@ -35,40 +36,7 @@ SMALL = str(CORE_TESTS / "configs" / "serve" / "small.yaml")
 NEVER = str(CORE_TESTS / "configs" / "serve" / "never.yaml")
 ENV = {"PYTHONPATH": os.pathsep.join([str(CORE_TESTS), str(CONTRIB_TESTS), os.environ.get("PYTHONPATH", "")])}
 
-ASR = """
-name: asr
-stages:
-  - name: asr
-    factory: audio_stages:Transcriber
-    terminal: true
-serve:
-  apis: [openai]
-  options:
-    openai:
-      kind: asr
-      text_joiner: " "
-      audio:
-        text_joiner: " "
-"""
-
-TTS = """
-name: tts
-stages:
-  - name: tts
-    factory: audio_stages:Speaker
-    terminal: true
-serve:
-  apis: [openai]
-  options:
-    openai:
-      kind: tts
-      audio_stage: tts
-      voices: ["0", "1"]
-      voice_key: voice
-      sample_rate: 24000
-"""
-
-
+ASR, TTS = asr_config(), tts_config()
 
 
 @pytest.fixture(scope="module")
