@@ -233,8 +233,8 @@ def realistic_config():
     talker.update(thinker_hidden_size=hidden, accept_hidden_layer=3)
     talker["text_config"].update(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=16,
                                  num_key_value_heads=2, head_dim=128, moe_intermediate_size=384,
-                                 shared_expert_intermediate_size=768, num_experts=128, num_experts_per_tok=6,
-                                 rope_parameters=mrope)
+                                 shared_expert_intermediate_size=768, num_local_experts=128, num_experts_per_tok=6,
+                                 rope_parameters=mrope)  # the talker's config names its expert count so
     talker["code_predictor_config"].update(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
                                            num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     d["code2wav_config"].update(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
@@ -244,7 +244,10 @@ def realistic_config():
     keep = ("thinker_config", "talker_config", "code2wav_config", "enable_audio_output", "im_start_token_id",
             "im_end_token_id", "tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id", "system_token_id",
             "user_token_id", "assistant_token_id")
-    return Qwen3OmniMoeConfig(**{k: v for k, v in d.items() if k in keep})
+    config = Qwen3OmniMoeConfig(**{k: v for k, v in d.items() if k in keep})
+    for sub, experts, per_token in ((config.thinker_config.text_config, 128, 8), (config.talker_config.text_config, 128, 6)):
+        assert (sub.num_experts, sub.num_experts_per_tok) == (experts, per_token), type(sub).__name__
+    return config
 
 
 @pytest.mark.usefixtures("no_leaks")
