@@ -183,6 +183,14 @@ def test_bad_batcher_options_are_refused_naming_them(kwargs, words):
         ChunkBatcher(lambda items: items, **kwargs)
 
 
+def test_the_chunk_batcher_is_a_micro_batcher_with_its_checks():
+    from omni_core.kits import MicroBatcher
+
+    assert issubclass(ChunkBatcher, MicroBatcher)  # max_batch_size, max_wait, fn checked in one place
+    with pytest.raises(TypeError, match="needs a callable batch function, got int"):
+        ChunkBatcher(3)
+
+
 # -- a fake family's streaming vocoder through the kit's StreamingVocoder ---------------------------
 
 SAMPLES = 4  # samples per frame

@@ -46,8 +46,7 @@ from typing import Any
 
 import torch
 from omni_core.files import local_path
-from omni_core.kits import BatcherClosed, BatchError, BatchStats
-from omni_core.kits.worker import Worker
+from omni_core.kits import MicroBatcher
 
 from .checks import VOCODER_MODES
 from .chunks import AudioChunk, ChunkError, CodesChunk, TextChunk, codes_chunk
@@ -231,45 +230,30 @@ class _Chunk:
         self.passed = 0  # batches that ran while this chunk waited
 
 
-class ChunkBatcher(Worker):
+class ChunkBatcher(MicroBatcher):
     """The vocoder's micro-batcher, scheduled for the first audio: ``submit(item, first=, key=)``
     queues one chunk and returns its result. A batch is the waiting chunks of one ``key`` (what
     the model runs together), led by the most urgent chunk: a request's first chunk before other
     requests' later ones (``first_chunk_priority``), else the oldest. A chunk passed over by
     ``max_passed_over`` batches becomes urgent too, and urgent chunks go oldest first, so a later
     chunk waits at most ``max_passed_over`` batches plus one per urgent chunk older than it: no
-    request starves. ``max_batch_size`` / ``max_wait`` as ``omni_core.kits.MicroBatcher``'s (a
-    batch starts when that many chunks wait, or ``max_wait`` seconds after the oldest arrived);
-    its contract for ``fn`` too (a list of items → one result or exception per item; a plain
-    function runs on a worker thread). A batch holding a first chunk runs inside ``gate.hold()``
+    request starves. Otherwise an ``omni_core.kits.MicroBatcher``: its ``max_batch_size`` /
+    ``max_wait`` and their checks (a batch starts when that many chunks wait, or ``max_wait``
+    seconds after the oldest arrived), its contract for ``fn`` (a list of items → one result or
+    exception per item; a plain function runs on a worker thread), closing and failing. A batch holding a first chunk runs inside ``gate.hold()``
     (default :data:`FIRST_CHUNKS`; None: no gate)."""
-
-    kind = "batcher"
-    closed_error = BatcherClosed
-    broken_error = BatchError
 
     def __init__(self, fn: Callable[[list], list], *, max_batch_size: int = 16, max_wait: float = 0.002,
                  first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None,
                  gate: FirstChunkGate | None = FIRST_CHUNKS):
-        for what, value, least in (("max_batch_size", max_batch_size, 1), ("max_passed_over", max_passed_over, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{what} must be an integer of at least {least}, got {value!r}")
-        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or max_wait < 0:
-            raise ValueError(f"max_wait must be a number of seconds of at least 0, got {max_wait!r}")
-        super().__init__(fn, name=name, thread_name="batcher")
-        self.max_batch_size = max_batch_size
-        self.max_wait = float(max_wait)
+        super().__init__(fn, max_batch_size=max_batch_size, max_wait=max_wait, name=name)
+        if isinstance(max_passed_over, bool) or not isinstance(max_passed_over, int) or max_passed_over < 0:
+            raise ValueError(f"max_passed_over must be an integer of at least 0, got {max_passed_over!r}")
         self.first_chunk_priority = bool(first_chunk_priority)
         self.max_passed_over = max_passed_over
         self.gate = gate
-        self.stats = BatchStats()
-        self._waiting: list[_Chunk] = []
+        self._waiting: list[_Chunk] = []  # type: ignore[assignment]  # ranked, not first in first out
         self._seq = itertools.count()
-
-    @property
-    def waiting(self) -> int:
-        """Chunks waiting for a batch (cancelled ones excluded)."""
-        return sum(1 for c in self._waiting if not c.future.done())
 
     async def submit(self, item: Any, *, first: bool = False, key: Hashable = None) -> Any:
         """Queue one chunk (``first``: a request's first; ``key``: what it batches with) and
@@ -311,15 +295,6 @@ class ChunkBatcher(Worker):
         gate = self.gate if self.gate is not None and any(c.first for c in batch) else None
         with gate.hold() if gate is not None else contextlib.nullcontext():
             await self._run_batch(batch)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        waiting, self._waiting = self._waiting, []
-        for c in waiting:
-            if not c.future.done():
-                c.future.set_exception(exc)
-
-    def _forget(self) -> None:
-        self._waiting = []
 
 
 class StreamingVocoder:
