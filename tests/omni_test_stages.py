@@ -271,7 +271,7 @@ class AllReduce:
         if payload.get("marker"):  # tells the test this rank reached the all_reduce
             with open(f"{payload['marker']}.{self.rank}", "w"):
                 pass
-        if self.rank == 0 and payload.get("leader_sleep"):
+        if self.rank == 0 and payload.get("leader_sleep"):  # a slow rank: it reaches the all_reduce late
             await asyncio.sleep(payload["leader_sleep"])
         dist.all_reduce(part)
         if payload.get("emit"):

@@ -40,6 +40,21 @@ async def until_state(p, predicate, what: str, deadline_s: float = 30.0) -> dict
         await asyncio.sleep(0.02)
 
 
+async def settle(p, deadline_s: float = 20.0, ignore: tuple[str, ...] = ()) -> dict:
+    """Wait until no process holds per-request state (the end of a request reaches every process
+    a moment after the caller hears of it; the tables named in ``ignore`` aside); returns what is
+    left at the deadline (empty when all is freed), by process and table."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        state = await p.debug_state()
+        left = {proc: {k: v for k, v in tables.items() if v and k not in ignore} for proc, tables in state.items()}
+        left = {proc: tables for proc, tables in left.items() if tables}
+        if not left or loop.time() > deadline:
+            return left
+        await asyncio.sleep(0.05)
+
+
 def journal_runs(journal: str, pid: int) -> set[str]:
     """The request ids process ``pid`` started a call for, as the ``Journal`` stage wrote them
     (its processes may be writing: a line not yet whole is left out)."""

@@ -331,7 +331,7 @@ def test_every_item_is_answered_once_in_batches_of_at_most_max_size(arrivals, ma
         batcher = MicroBatcher(fn, max_batch_size=max_batch_size, max_wait=0.001)
         tasks = []
         for i, gap in enumerate(arrivals):
-            for _ in range(gap):
+            for _ in range(gap):  # the drawn arrival pattern, not a synchronisation
                 await asyncio.sleep(0)
             tasks.append(asyncio.ensure_future(batcher.submit(i)))
         results = await asyncio.gather(*tasks)

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, settle, stage, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied, ProcessHung
 
@@ -71,7 +71,7 @@ def test_random_kills_and_stops_under_load_lose_no_request_and_leak_nothing(rela
                         _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     i += 1
                     tasks.add(asyncio.ensure_future(one(i, rng.random() < 0.5)))
-                    await asyncio.sleep(rng.uniform(0, 0.01))
+                    await asyncio.sleep(rng.uniform(0, 0.01))  # the load's random arrivals
                 if tasks:
                     await asyncio.wait(tasks)
                 return i
@@ -81,7 +81,7 @@ def test_random_kills_and_stops_under_load_lose_no_request_and_leak_nothing(rela
             loop = asyncio.get_running_loop()
             end = loop.time() + FAULT_SECONDS
             while loop.time() < end:
-                await asyncio.sleep(rng.uniform(0.3, 1.2))
+                await asyncio.sleep(rng.uniform(0.3, 1.2))  # the scenario: a fault at a random moment
                 victim = rng.choice(["a", "b", "c"])
                 how = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGSTOP])
                 old = p.pids()[victim]
@@ -107,13 +107,7 @@ def test_random_kills_and_stops_under_load_lose_no_request_and_leak_nothing(rela
             assert sum(p.retries.values()) > 0, f"faults {faults} retried nothing"
             assert len(failed) < len(outcomes) / 4, f"{len(failed)} of {len(outcomes)} streams failed"
 
-            async def settled() -> bool:
-                state = await p.debug_state()
-                return all(v == 0 for part in state.values() for k, v in part.items() if k != "ended")
-
-            deadline = loop.time() + 20
-            while not await settled():
-                assert loop.time() < deadline, f"state not back to zero: {await p.debug_state()}"
-                await asyncio.sleep(0.05)
+            left = await settle(p, ignore=("ended",))
+            assert not left, f"state not back to zero: {left}"
 
     arun(body(), timeout=140)

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from runtime_helpers import arun, fn, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, fn, no_leaks, pipeline, settle, stage  # noqa: F401
 
 from omni_core import PENDING, Pipeline, RequestAborted, StageError
 from omni_core.errors import RequestTimeout
@@ -26,20 +26,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 #: Credits per stream: the producers below emit more chunks than this before the payload.
 LIMITS = {"stream_buffer": 2, "stream_stall_timeout": 20}
 PLACEMENTS = {"across-processes": {}, "one-process": {"process": "p"}}
-
-
-async def settle(p: Pipeline, deadline_s: float = 20.0) -> dict:
-    """Wait until no process holds per-request state (the end of a request reaches every process
-    a moment after the caller hears of it); returns what is left (empty when all is freed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while True:
-        state = await p.debug_state()
-        left = {proc: {k: v for k, v in tables.items() if v} for proc, tables in state.items()}
-        left = {proc: tables for proc, tables in left.items() if tables}
-        if not left or loop.time() > deadline:
-            return left
-        await asyncio.sleep(0.05)
 
 
 async def read_marker(path, want: str, deadline_s: float = 30.0) -> str:

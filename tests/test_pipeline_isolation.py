@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from runtime_helpers import arun, fn, no_leaks, pipeline, stage  # noqa: F401
+from runtime_helpers import arun, fn, no_leaks, pipeline, settle, stage  # noqa: F401
 
 from omni_core import Pipeline, StageError
 from omni_core.relay.shm_segment import MAGIC, VERSION
@@ -126,15 +126,8 @@ def test_no_process_keeps_per_request_state_after_1000_requests():
                 results += await asyncio.gather(*(one(p, i) for i in range(start, start + 100)))
             assert sum(r is None for r in results) == 100
             assert all(torch.equal(r["x"], torch.full((4,), 3.0)) for r in results if r is not None)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            while True:
-                state = await p.debug_state()
-                left = {proc: {k: v for k, v in tables.items() if v} for proc, tables in state.items()}
-                left = {proc: tables for proc, tables in left.items() if tables}
-                if not left or loop.time() > deadline:
-                    break
-                await asyncio.sleep(0.05)
+            left = await settle(p)
+            state = await p.debug_state()
             assert set(state) == {"coordinator", *p.pids()}, "every process reports its state"
             assert all(state.values()), "every process reports its tables"
             assert left == {}, f"per-request state left after 1,000 requests: {left}"

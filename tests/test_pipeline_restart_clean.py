@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from runtime_helpers import arun, journal_runs, no_leaks, pipeline, stage, under_load, until  # noqa: F401
+from runtime_helpers import arun, journal_runs, no_leaks, pipeline, settle, stage, under_load, until  # noqa: F401
 
 from omni_core import Pipeline, ProcessDied
 
@@ -51,20 +51,6 @@ async def _load_and_kill(p: Pipeline, journal: str, victim: str, n: int = 200) -
     return outcomes, failed
 
 
-async def _settled(p: Pipeline) -> None:
-    """Every table of every process back to zero (relay slots included)."""
-    async def clean() -> bool:
-        state = await p.debug_state()
-        return all(v == 0 for part in state.values() for k, v in part.items() if k != "ended")
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while not await clean():
-        if loop.time() > deadline:
-            pytest.fail(f"state not back to zero: {await p.debug_state()}")
-        await asyncio.sleep(0.05)
-
-
 def test_a_restarted_middle_process_runs_no_failed_request_and_leaks_no_slot(tmp_path):
     journal = str(tmp_path / "journal")
 
@@ -77,7 +63,8 @@ def test_a_restarted_middle_process_runs_no_failed_request_and_leaks_no_slot(tmp
             # One more request with a tensor that travels through the slots is served at once.
             out = await asyncio.wait_for(p.submit({"t": torch.ones(16384), "sleep": 0}), 15)
             assert torch.equal(out["t"], torch.ones(16384))
-            await _settled(p)
+            left = await settle(p, ignore=("ended",))  # relay slots included
+            assert not left, f"state not back to zero: {left}"
             assert not (journal_runs(journal, new_b) & failed), "the new process ran requests already failed"
 
     arun(body(), timeout=200)
@@ -97,7 +84,8 @@ def test_twenty_restarts_leak_no_slot_and_every_later_request_is_served(tmp_path
                 await until(lambda old=old: p.running and p.pids()["b"] not in (None, old), "b restarted", 60)
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
                 assert all(isinstance(o, (dict, ProcessDied)) for o in outcomes), outcomes
-                await _settled(p)
+                left = await settle(p, ignore=("ended",))  # relay slots included
+                assert not left, f"state not back to zero: {left}"
             # every slot is free: 8 requests at once each hold one, none waits for credits
             outs = await asyncio.wait_for(asyncio.gather(*(p.submit({"t": torch.ones(16384), "sleep": 0})
                                                            for _ in range(16))), 20)

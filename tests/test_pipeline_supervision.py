@@ -29,6 +29,7 @@ from runtime_helpers import (  # noqa: F401
 from omni_core import Pipeline, ProcessDied
 from omni_core.errors import PipelineClosed, RequestAborted
 from omni_core.testing.leaks import alive
+from omni_core.testing.waiting import holds_within
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -109,21 +110,13 @@ def test_children_exit_when_the_parent_is_sigkilled():
     try:
         info = json.loads(proc.stdout.readline())
         assert all(pid in descendants(proc.pid) for pid in info["pids"])
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not run_segments(info["run"]):
-            time.sleep(0.05)
-        assert run_segments(info["run"]), "no shm in use"
+        assert holds_within(lambda: run_segments(info["run"]), 30, 0.05), "no shm in use"
         proc.kill()
         proc.wait(30)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(alive(pid) for pid in info["pids"]):
-            time.sleep(0.1)
+        holds_within(lambda: not any(alive(pid) for pid in info["pids"]), 60, 0.1)
         left = [pid for pid in info["pids"] if alive(pid)]
         assert not left, f"stage processes outlived their parent: {left}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and os.path.exists(info["dir"]):
-            time.sleep(0.1)
-        assert not os.path.exists(info["dir"])
+        assert holds_within(lambda: not os.path.exists(info["dir"]), 30, 0.1), f"{info['dir']} left"
         # The children freed their relay memory on the way out: no segment of the run is left.
         assert not run_segments(info["run"])
     finally:

@@ -757,7 +757,8 @@ def test_heartbeats_of_the_current_generation_keep_a_restarted_process_alive(rig
         beating = asyncio.ensure_future(r.beat("a"))
         try:
             await until(lambda: r.state == "running", "running again")
-            deadline = time.monotonic() + 0.6  # twice the heartbeat timeout
+            # A window in which nothing may happen: twice the heartbeat timeout, beats coming.
+            deadline = time.monotonic() + 0.6
             while time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
                 assert new.killed == 0 and r.state == "running"

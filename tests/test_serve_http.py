@@ -16,6 +16,7 @@ import torch
 
 from omni_core.encoding import from_jsonable, to_jsonable
 from omni_core.testing.serve import ServerProcess, sse_events
+from omni_core.testing.waiting import holds_within
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -157,9 +158,7 @@ def test_a_request_past_its_timeout_is_a_504_and_is_aborted(client, tmp_path):
     body = {"input": {"text": "a b", "gate": str(tmp_path / "never"), "marker": str(marker)}, "timeout": 0.5}
     r = client.post(REQUESTS, json=body)
     assert r.status_code == 504 and r.json()["error"]["type"] == "RequestTimeout"
-    end = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < end:
-        time.sleep(0.02)
+    assert holds_within(marker.exists, 30), "the stage's call never recorded its end"
     assert marker.read_text() == "aborted"
 
 
@@ -205,9 +204,7 @@ def test_a_client_that_disconnects_aborts_its_request(client, tmp_path):
         assert next(lines).startswith("event: chunk")
         assert wait_metric(client, "omni_requests_in_flight", lambda v: v == 1, pipeline="words") == 1
     # The connection is closed: the stage's call is cancelled and nothing stays in flight.
-    end = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < end:
-        time.sleep(0.02)
+    assert holds_within(marker.exists, 30), "the stage's call never recorded its end"
     assert marker.read_text() == "aborted"
     assert wait_metric(client, "omni_requests_in_flight", lambda v: v == 0, pipeline="words") == 0
 
@@ -217,9 +214,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_disconnects(server, c
     body = {"input": {"text": "a b", "gate": str(tmp_path / "never"), "marker": str(marker)}}
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=1.0) as short:
         short.post(REQUESTS, json=body)
-    end = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < end:
-        time.sleep(0.02)
+    assert holds_within(marker.exists, 30), "the stage's call never recorded its end"
     assert marker.read_text() == "aborted"
     assert wait_metric(client, "omni_requests_in_flight", lambda v: v == 0, pipeline="words") == 0
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from omni_core.testing.serve import ServerProcess
+from omni_core.testing.waiting import holds_within
 
 pytest.importorskip("opentelemetry.sdk")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -99,9 +99,7 @@ def test_one_trace_shows_the_request_and_every_stage_across_processes(tmp_path):
             return [s for s in read_spans(spans_file) if s["trace_id"] == TRACE_ID
                     and s["attributes"].get("omni.request_id") == request_id]
 
-        end = time.monotonic() + 20
-        while time.monotonic() < end and not all(len(trace_of(rid)) >= 3 for rid in ("traced", "traced-stream")):
-            time.sleep(0.05)
+        holds_within(lambda: all(len(trace_of(rid)) >= 3 for rid in ("traced", "traced-stream")), 20, 0.05)
         for rid in ("traced", "traced-stream"):
             spans = trace_of(rid)
             requests = [s for s in spans if "omni.stage" not in s["attributes"]]

@@ -29,7 +29,7 @@ class Checks:
         if mode == "timeout":  # a timeout entered in the first step fires after it suspends
             async with asyncio.timeout(0.05):
                 await asyncio.sleep(30)
-        if mode == "sleep0":
+        if mode == "sleep0":  # the behaviour under test: a call that suspends once
             await asyncio.sleep(0)
         if mode == "group":
             async with asyncio.TaskGroup() as group:

@@ -56,7 +56,7 @@ def upper(text, suffix=""):
 
 
 async def async_upper(text, suffix=""):
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # suspends once, as a coroutine doing I/O would
     return text.upper() + suffix
 
 

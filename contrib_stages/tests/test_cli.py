@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 import wave
 
 import pytest
 from conftest import processes_with_env, runtime_dirs, shm_segments
+
+from omni_core.testing.waiting import holds_within
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,9 +37,7 @@ def run_omni(args: list[str], cwd) -> tuple[subprocess.CompletedProcess, int]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and processes_with_env(marker):
-        time.sleep(0.1)
+    holds_within(lambda: not processes_with_env(marker), 30, 0.1)
     assert not processes_with_env(marker), f"processes of `omni {' '.join(args[:2])}` left running"
     assert not runtime_dirs(proc.pid), f"runtime dirs left: {runtime_dirs(proc.pid)}"
     assert not shm_segments(proc.pid), f"/dev/shm segments left: {shm_segments(proc.pid)}"

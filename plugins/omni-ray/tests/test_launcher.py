@@ -13,6 +13,7 @@ import torch
 from conftest import live_actors, wait_until
 from omni_core import Pipeline, ProcessDied
 from omni_core.testing.leaks import runtime_dirs
+from omni_core.testing.waiting import until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_actor_leaks")]
 
@@ -86,7 +87,7 @@ def test_a_killed_actor_fails_its_requests_with_process_died_naming_node_and_rea
     async def body():
         async with Pipeline(cfg) as p:
             tasks = [asyncio.ensure_future(p.submit({"x": torch.ones(8), "sleep": 60})) for _ in range(3)]
-            await wait_until_async(lambda: len(p.requests) == 3)
+            await until(lambda: len(p.requests) == 3, "the 3 requests in flight")
             os.kill(p.pids()["b"], signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
             assert all(isinstance(r, ProcessDied) for r in results), results
@@ -94,14 +95,6 @@ def test_a_killed_actor_fails_its_requests_with_process_died_naming_node_and_rea
             assert "on node" in str(results[0]) and "Ray:" in str(results[0])
 
     arun(body())
-
-
-async def wait_until_async(predicate, timeout=30.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.02)
 
 
 def test_restart_on_failure_recreates_the_actor_on_its_node_at_its_addresses(cluster):
@@ -112,8 +105,8 @@ def test_restart_on_failure_recreates_the_actor_on_its_node_at_its_addresses(clu
             first = await p.submit({"x": torch.ones(4)})
             old_pid, address = p.pids()["b"], p.addresses["b"]
             os.kill(old_pid, signal.SIGKILL)
-            await wait_until_async(lambda: p.pids()["b"] != old_pid and p.running, 60)
-            await wait_until_async(lambda: p.handles["b"].exitcode is None and not p.runner.readiness.starting("b"), 60)
+            await until(lambda: p.pids()["b"] != old_pid and p.running, "b restarted", 60)
+            await until(lambda: p.handles["b"].exitcode is None and not p.runner.readiness.starting("b"), "b ready", 60)
             second = await p.submit({"x": torch.ones(4)})
             assert torch.equal(first["x"], second["x"])
             hop = {h[0]: h for h in second["hops"]}["b"]
@@ -204,7 +197,7 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
         async with Pipeline(cfg) as p:
             keys = p.launch.launcher.keys
             task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 3}))
-            await wait_until_async(lambda: p.requests)
+            await until(lambda: p.requests, "the request in flight")
             rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
             skeleton, _ = pack({"x": "forged"})
             forged = [(p.addresses["b"], wire.Shutdown()), (p.addresses["c"], wire.Shutdown()),
@@ -227,7 +220,7 @@ def test_forged_shutdown_and_result_without_the_run_key_change_nothing(cluster):
             # The same forged result sent with the run's keys and sealed with its control-plane
             # secret does change the answer: the check above can fail.
             task = asyncio.ensure_future(p.submit({"x": torch.ones(2), "sleep": 30}))
-            await wait_until_async(lambda: p.requests)
+            await until(lambda: p.requests, "the request in flight")
             rid, request_id = next((r.rid, r.request_id) for r in p.requests.values())
             import zmq
 
