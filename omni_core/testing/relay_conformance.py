@@ -346,12 +346,13 @@ class RelayConformance:
         """Until ``put`` waits for a credit: as ``sender.open_links()`` says (its entries'
         ``"waiting"``) when the relay reports it; otherwise, with nothing to observe, for a
         window of a third of the put's timeout (at most 0.3 s) in which it must not finish."""
-        if not callable(getattr(sender, "open_links", None)):
+        open_links = getattr(sender, "open_links", None)
+        if not callable(open_links):
             await asyncio.wait([put], timeout=min(0.3, self.put_timeout / 3))
             return
 
         def waits() -> bool:
-            links = sender.open_links()["sending"].values()
+            links = open_links()["sending"].values()
             return put.done() or sum(link.get("waiting", 0) for link in links) > 0
 
         await until(waits, "the put waiting for a credit", deadline_s=self.put_timeout)

@@ -30,8 +30,12 @@ async def suspended(*tasks: asyncio.Task, deadline_s: float = 30.0) -> None:
     the credit, hands over the payload), without counting turns of the event loop. A task that
     finished instead of waiting is the test's to notice (``assert not task.done()``)."""
 
+    def started_and_waiting(task: asyncio.Task) -> bool:
+        coro = task.get_coro()
+        return inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_SUSPENDED
+
     def waiting() -> bool:
-        return all(t.done() or inspect.getcoroutinestate(t.get_coro()) == inspect.CORO_SUSPENDED for t in tasks)
+        return all(t.done() or started_and_waiting(t) for t in tasks)
 
     await until(waiting, f"{len(tasks)} task(s) started and waiting", deadline_s, poll_s=0)
 
