@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ import yaml
 from omni_core.testing.cuda import require_cuda
 from omni_core.testing.leaks import no_leaks  # noqa: F401 - a fixture
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.cuda(reason="the families' GPU pipelines in bfloat16")]
+pytestmark = [pytest.mark.timeout(200), pytest.mark.cuda(reason="the families' GPU pipelines in bfloat16")]
 
 DEVICE = "cuda:0"
 DTYPE = "bfloat16"
@@ -59,6 +61,20 @@ def record(request, record_testsuite_property):
     return put
 
 
+@pytest.fixture
+def room(tmp_path):
+    """Where a large checkpoint is written: /dev/shm when it has room (memory: written and read back at once),
+    else the test's temporary folder; removed after the test."""
+    import shutil
+    import tempfile
+
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > (24 << 30):
+        with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="omni-families-gpu-") as folder:
+            yield Path(folder)
+    else:
+        yield tmp_path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cuda():
     """The ``cuda`` marker's check (this folder's conftest does not load its hooks): skip without CUDA, fail
@@ -80,7 +96,7 @@ def gpu_pipeline(file: str, model, **extra_args) -> dict:
         if stage["name"] in STAGE_DTYPES:
             args["dtype"] = STAGE_DTYPES[stage["name"]]
         args.update(extra_args.get(stage["name"], {}))
-    cfg.setdefault("limits", {}).update(request_timeout=240, stream_stall_timeout=180)
+    cfg.setdefault("limits", {}).update(request_timeout=150, stream_stall_timeout=120)
     return cfg
 
 
@@ -114,7 +130,7 @@ def serve(cfg: dict, requests: list[dict]) -> tuple[list[dict], list[dict]]:
             together = await asyncio.gather(*(ask(pipeline, r) for r in requests))
             return alone, list(together)
 
-    return asyncio.run(asyncio.wait_for(go(), 280))
+    return asyncio.run(asyncio.wait_for(go(), 170))
 
 
 def thinker_generate(model, ids: list[int], max_new: int, eos: int) -> tuple[list[int], list[float]]:
@@ -170,6 +186,22 @@ def check_replies(alone: list[dict], together: list[dict], expected: list[tuple[
     assert spoken >= len(alone) // 2, f"only {spoken} of {len(alone)} replies have speech"
 
 
+def tiny_family_on_gpu(path, model_class, processor, requests: list[dict], pipeline_file: str,
+                       samples_per_frame: int | None, record) -> None:
+    """transformers' thinker generate for each request (bfloat16, on the GPU; then freed), the requests served by
+    the family's GPU pipeline alone and at once, and :func:`check_replies`."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    model = model_class.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
+    expected = [thinker_generate(model, processor(dict(r), None)["input_ids"], THINKER_MAX, eos) for r in requests]
+    del model
+    free_gpu()
+    alone, together = serve(gpu_pipeline(pipeline_file, path), requests)
+    check_replies(alone, together, expected, samples_per_frame, record)
+    record("first_audio_s", alone[0]["first_audio_s"])
+
+
 def free_gpu() -> None:
     """Give the memory of the models this process dropped back to the GPU (the stage processes need it)."""
     gc.collect()
@@ -186,7 +218,7 @@ def qwen3_requests(processor, prompts: list[str], max_new: int, talker_max: int)
 
 @pytest.mark.usefixtures("no_leaks")
 def test_qwen3_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone(tmp_path, record):
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from omni_transformers.qwen3_omni import tiny
     from omni_transformers.qwen3_omni.processor import Processor
@@ -194,15 +226,8 @@ def test_qwen3_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone(t
     path = tiny.write_tiny_checkpoint(tmp_path / "qwen3_omni")
     processor = Processor(str(path))
     requests = qwen3_requests(processor, PROMPTS, THINKER_MAX, TALKER_MAX)
-    eos = AutoTokenizer.from_pretrained(path).eos_token_id
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
-    expected = [thinker_generate(model, processor(dict(r), None)["input_ids"], THINKER_MAX, eos) for r in requests]
-    del model
-    free_gpu()
-
-    alone, together = serve(gpu_pipeline("qwen3_omni_gpu.yaml", path), requests)
-    check_replies(alone, together, expected, 1920, record)
-    record("first_audio_s", alone[0]["first_audio_s"])
+    tiny_family_on_gpu(path, Qwen3OmniMoeForConditionalGeneration, processor, requests, "qwen3_omni_gpu.yaml", 1920,
+                       record)
 
 
 # The realistic size: the real checkpoint's widths, few layers (what one GPU test can write and load quickly).
@@ -251,7 +276,7 @@ def realistic_config():
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_qwen3_omni_of_realistic_size_answers_one_spoken_request(tmp_path, record):
+def test_qwen3_omni_of_realistic_size_answers_one_spoken_request(room, record):
     from omni_core import Pipeline
     from transformers import AutoTokenizer
 
@@ -260,7 +285,7 @@ def test_qwen3_omni_of_realistic_size_answers_one_spoken_request(tmp_path, recor
 
     t0 = time.perf_counter()
     model = tiny.random_model(realistic_config(), device=DEVICE, dtype=DTYPE)
-    path = tiny.save_checkpoint(model, tmp_path / "qwen3_omni_real")
+    path = tiny.save_checkpoint(model, room / "qwen3_omni_real")
     record("write_s", time.perf_counter() - t0)
     record("parameters", sum(p.numel() for p in model.parameters()))
     record("bytes_on_disk", sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
@@ -278,7 +303,7 @@ def test_qwen3_omni_of_realistic_size_answers_one_spoken_request(tmp_path, recor
             warm = await ask(pipeline, {**request, "max_new_tokens": 4, "talker_max_new_tokens": 8})
             return warm, time.perf_counter() - started, await ask(pipeline, request)
 
-    warm, warm_s, reply = asyncio.run(asyncio.wait_for(go(), 280))
+    warm, warm_s, reply = asyncio.run(asyncio.wait_for(go(), 150))
     result = reply["result"]
     got, frames = result["token_ids"], len(result["codes"])
     record("warm_up_s", warm_s)
@@ -301,7 +326,7 @@ def test_qwen3_omni_of_realistic_size_answers_one_spoken_request(tmp_path, recor
 
 @pytest.mark.usefixtures("no_leaks")
 def test_qwen2_5_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone(tmp_path, record):
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniForConditionalGeneration
 
     from omni_transformers.qwen2_5_omni.processor import Processor
     from omni_transformers.tiny import write_tiny_checkpoint
@@ -310,12 +335,5 @@ def test_qwen2_5_omni_tiny_in_bfloat16_equals_generate_and_8_at_once_equal_alone
     processor = Processor(str(path))
     requests = [{"text": text, "speaker": "Chelsie", "max_new_tokens": THINKER_MAX, "temperature": 0,
                  "talker_max_new_tokens": TALKER_MAX, "wav_path": None} for text in PROMPTS]
-    eos = AutoTokenizer.from_pretrained(path).eos_token_id
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
-    expected = [thinker_generate(model, processor(dict(r), None)["input_ids"], THINKER_MAX, eos) for r in requests]
-    del model
-    free_gpu()
-
-    alone, together = serve(gpu_pipeline("qwen2_5_omni_gpu.yaml", path), requests)
-    check_replies(alone, together, expected, None, record)
-    record("first_audio_s", alone[0]["first_audio_s"])
+    tiny_family_on_gpu(path, Qwen2_5OmniForConditionalGeneration, processor, requests, "qwen2_5_omni_gpu.yaml", None,
+                       record)
