@@ -68,8 +68,14 @@ class Scale:
 
 
 class Sleep:
+    """Returns its payload after ``sleep`` seconds (default 10: a slow call), or, with ``gate``,
+    once the test created that file (a call held until the test lets it go)."""
+
     async def __call__(self, payload, ctx):
-        await asyncio.sleep(payload.get("sleep", 10))
+        if payload.get("gate"):
+            await _gate(payload["gate"])
+        else:
+            await asyncio.sleep(payload.get("sleep", 10))
         return payload
 
 
@@ -577,9 +583,10 @@ class Waiter:
 
 
 class Journal:
-    """Sleeps ``payload["sleep"]`` seconds (default 0.02; blocking the loop, one call at a time,
-    when ``payload["block"]``), appends ``"<pid> <request id>"`` to ``path`` when a call starts,
-    and returns the payload: which process ran which request."""
+    """Sleeps ``payload["sleep"]`` seconds (default 0.02: work; blocking the loop, one call at a
+    time, when ``payload["block"]``) or, with ``payload["gate"]``, waits until the test created
+    that file; appends ``"<pid> <request id>"`` to ``path`` when a call starts, and returns the
+    payload: which process ran which request."""
 
     def __init__(self, path: str):
         self.path = path
@@ -587,7 +594,9 @@ class Journal:
     async def __call__(self, payload, ctx):
         with open(self.path, "a") as f:
             f.write(f"{os.getpid()} {ctx.request_id}\n")
-        if payload.get("block"):
+        if payload.get("gate"):
+            await _gate(payload["gate"])
+        elif payload.get("block"):
             time.sleep(payload.get("sleep", 0.02))
         else:
             await asyncio.sleep(payload.get("sleep", 0.02))

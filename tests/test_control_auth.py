@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 import zmq
-from runtime_helpers import arun, no_leaks, pipeline, stage, until  # noqa: F401
+from runtime_helpers import arun, no_leaks, pipeline, stage, until, until_state  # noqa: F401
 
 from omni_core import Pipeline
 from omni_core.relay.payload import pack
@@ -25,13 +25,15 @@ def _forger(address: str) -> zmq.Socket:
     return sock
 
 
-def test_forged_result_abort_and_shutdown_are_refused_and_the_pipeline_serves_on():
+def test_forged_result_abort_and_shutdown_are_refused_and_the_pipeline_serves_on(tmp_path):
     cfg = pipeline(stage("a", "Sleep", next="b"), stage("b", "Echo", terminal=True))
+    gate = tmp_path / "go"
+    real = {"gate": str(gate), "x": "real"}  # held in a until every forged message was refused
 
     async def body():
         async with Pipeline(cfg) as p:
             pids = p.pids()
-            task = asyncio.ensure_future(p.submit({"sleep": 1.0, "x": "real"}, request_id="victim"))
+            task = asyncio.ensure_future(p.submit(real, request_id="victim"))
             await until(lambda: p.requests, "the request admitted")
             rid = next(iter(p.requests))
             skeleton, _ = pack({"x": "forged"})
@@ -48,7 +50,10 @@ def test_forged_result_abort_and_shutdown_are_refused_and_the_pipeline_serves_on
                     sock.send(wire.seal(b"a guessed secret", wire.encode(msg)))  # a wrong one
                 transport = p.coordinator.endpoint.transport
                 await until(lambda: transport.refused >= 2, "the forged results refused")
-                assert await asyncio.wait_for(task, 30) == {"sleep": 1.0, "x": "real"}
+                await until_state(p, lambda s: (s["a"].get("inbox.refused", 0), s["b"].get("inbox.refused", 0)) == (4, 2),
+                                  "the forged aborts and shutdowns refused")
+                gate.touch()
+                assert await asyncio.wait_for(task, 30) == real
                 assert p.running and p.pids() == pids, "a forged Shutdown stopped a process"
                 assert await p.submit({"sleep": 0, "x": 2}) == {"sleep": 0, "x": 2}
                 # The same message sealed with the run's secret is taken: the checks above can fail.

@@ -151,15 +151,16 @@ def test_sync_stage_sees_ctx_aborted(tmp_path):
     assert marker.read_text() == "aborted"
 
 
-def test_a_request_id_in_flight_cannot_be_used_twice():
+def test_a_request_id_in_flight_cannot_be_used_twice(tmp_path):
     cfg = pipeline(stage("s", "Sleep", terminal=True))
 
     async def body():
         async with Pipeline(cfg) as p:
-            task = asyncio.ensure_future(p.submit({"sleep": 0.2}, request_id="same"))
+            task = asyncio.ensure_future(p.submit({"gate": str(tmp_path / "go")}, request_id="same"))
             await until(lambda: "same" in p.by_id, "the first request to be admitted")
             with pytest.raises(ValueError, match="already in flight"):
                 await p.submit({"sleep": 0}, request_id="same")
+            (tmp_path / "go").touch()
             await task
 
     arun(body())

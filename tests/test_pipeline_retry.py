@@ -90,10 +90,12 @@ def test_a_retried_request_runs_again_with_the_same_request_id(tmp_path):
 
     async def body():
         async with Pipeline(chain(str(journal), retry={"attempts": 2})) as p:
-            waiting = asyncio.ensure_future(p.submit({"sleep": 1.0, "x": 7}, request_id="mine"))
+            inputs = {"gate": str(tmp_path / "go"), "x": 7}  # held in a until it was killed
+            waiting = asyncio.ensure_future(p.submit(inputs, request_id="mine"))
             await until(lambda: journal.exists() and "mine" in journal.read_text(), "a ran it")
             await _killed(p, "a")
-            assert await asyncio.wait_for(waiting, 60) == {"sleep": 1.0, "x": 7}
+            (tmp_path / "go").touch()
+            assert await asyncio.wait_for(waiting, 60) == inputs
             runs = [line.split() for line in journal.read_text().splitlines()]
             assert [stage_pid for stage_pid, rid in runs if rid == "mine"][:1] != [str(p.pids()["a"])]
             assert sum(1 for _, rid in runs if rid == "mine") == 4, "a twice (killed, retried), b and c once"
@@ -101,7 +103,7 @@ def test_a_retried_request_runs_again_with_the_same_request_id(tmp_path):
     arun(body(), timeout=170)
 
 
-def test_a_stream_is_retried_before_its_first_chunk_and_not_after():
+def test_a_stream_is_retried_before_its_first_chunk_and_not_after(tmp_path):
     cfg = pipeline(
         stage("a", "Sleep", next="b"),
         stage("b", "Tokens", args={"delay": 0.2}, terminal=True),
@@ -118,9 +120,10 @@ def test_a_stream_is_retried_before_its_first_chunk_and_not_after():
                     first.set()
 
             first = asyncio.Event()
-            early = asyncio.ensure_future(read({"sleep": 1.0, "text": "abc"}))
+            early = asyncio.ensure_future(read({"gate": str(tmp_path / "go"), "text": "abc"}))  # held in a
             await until(lambda: p.coordinator.in_flight() == 1, "admitted")
             await _killed(p, "a")  # before any chunk: retried, and the stream is whole
+            (tmp_path / "go").touch()
             assert await asyncio.wait_for(early, 60) == ("abc", {"text": "abc"})
             first.clear()
             late = asyncio.ensure_future(read({"sleep": 0, "text": "abcdefghijklmnop"}))
