@@ -24,14 +24,14 @@ from typing import Any
 import attrs
 import torch
 from omni_core.errors import InvalidInput
-from omni_core.kits import DecodeLoop
 
 from ..kit.chunks import CodesChunk
 from ..kit.engines import EngineRegistry
 from ..kit.sampling import Sampler, make_generator, resolve_model_path, torch_dtype
 from ..kit.streams import request_seed
+from ..kit.talker import TalkerRow
 from ..kit.vocoder import ChunkSchedule, StreamingVocoder
-from .loop import CsmDecoding, FrameRow
+from .loop import CsmFrames
 
 #: A request's generation settings (``depth_decoder_*``: the depth decoder's) and their checks.
 SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "depth_decoder_do_sample", "depth_decoder_temperature",
@@ -115,9 +115,9 @@ class CsmModel:
         """Nothing to stop: the last holder's release drops the model."""
 
 
-class Talker:
-    """CSM's backbone and depth decoder on the decode loop (:mod:`.loop`): the prompt → frames of codes, streamed to
-    ``vocoder`` in ``CodesChunk`` chunks of ``codes_per_chunk`` frames; returns ``{"codes", "prompt_tokens",
+class Talker(CsmFrames):
+    """CSM's backbone and depth decoder on the kit's talker (:mod:`.loop`): the prompt → frames of codes, streamed
+    to ``vocoder`` in ``CodesChunk`` chunks of ``codes_per_chunk`` frames; returns ``{"codes", "prompt_tokens",
     "completion_tokens", "finish_reason"}``.
 
     The checkpoint's generation config decides (as in ``generate``: CSM's samples); a request's ``do_sample``,
@@ -129,18 +129,18 @@ class Talker:
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  max_batch_size: int = 8, max_new_tokens: int | None = None, codes_per_chunk: int = 1,
                  max_prefill_tokens: int | None = 512):
-        self.path = resolve_model_path(model)
-        self.device = torch.device(device)
-        self.model_key, shared = CsmModel.acquire(self.path, dtype, device)
-        self.model = shared.model
+        codes_per_chunk = max(1, int(codes_per_chunk))
+        super().__init__(model, dtype=dtype, device=device, max_new_tokens=max_new_tokens or 0,
+                         codes_per_chunk=codes_per_chunk, first_codes_per_chunk=codes_per_chunk,
+                         max_batch_size=max_batch_size, kv_cache_tokens=None, max_prefill_tokens=max_prefill_tokens,
+                         yield_to_first_audio=0)
         self.generation_config = self.model.generation_config
-        self.depth_config = self.model.depth_decoder.generation_config  # read, never written
-        self.codebooks = self.model.config.num_codebooks
+        self.depth_settings = self.model.depth_decoder.generation_config  # read, never written
         self.max_new_tokens = max_new_tokens or self.generation_config.max_new_tokens
-        self.codes_per_chunk = max(1, int(codes_per_chunk))
-        self.decoding = CsmDecoding(self.model)
-        self.loop = DecodeLoop(self.decoding.step, max_batch_size=max_batch_size,
-                               max_prefill_tokens=max_prefill_tokens, name="csm")
+
+    def load_model(self, path, *, dtype: str, device: str):
+        self.model_key, shared = CsmModel.acquire(path, dtype, device)
+        return shared.model
 
     def sampler(self, settings: dict, prefix: str, config, generator: torch.Generator) -> Sampler:
         """The sampler of the backbone (``prefix`` "") or the depth decoder (``"depth_decoder_"``): the
@@ -158,15 +158,20 @@ class Talker:
             raise InvalidInput("the talker's payload needs 'input_ids' (the CSM processor's output)",
                                field="input_ids")
         settings = dict(payload.get("settings") or {})
-        generator = make_generator(request_seed(payload), self.device)
-        state = FrameRow(list(ids), self.sampler(settings, "", self.generation_config, generator),
-                         self.sampler(settings, "depth_decoder_", self.depth_config, generator),
-                         payload.get("max_new_tokens") or self.max_new_tokens)
+        seed = request_seed(payload)
+        generator = make_generator(seed, self.device)
+        with torch.inference_mode():  # the prompt's text embeddings, the backbone's prefill input
+            prefix = self.model.embed_text_tokens(torch.tensor([ids], device=self.device))[0]
+        row = TalkerRow(prefix, list(ids), self.sampler(settings, "", self.generation_config, generator),
+                        payload.get("max_new_tokens") or self.max_new_tokens, set(), None, {}, seed)
+        row.extra["depth"] = self.sampler(settings, "depth_decoder_", self.depth_settings, generator)
         codes: list[list[int]] = []
         pending: list[int] = []
-        async with self.loop.join(state, prompt_tokens=len(ids), memory=state.reserved) as seq:
+        ended = False
+        async with self.loop.join(row, prompt_tokens=len(ids), memory=row.reserved) as seq:
             async for frame in seq:
                 if frame is None:  # the end frame
+                    ended = True
                     break
                 codes.append(frame)
                 pending.extend(frame)
@@ -174,13 +179,13 @@ class Talker:
                     await ctx.emit(CodesChunk(pending, self.codebooks).to_wire())
                     pending = []
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(codes),
-                 "finish_reason": "stop" if state.ended else "length"}
+                 "finish_reason": "stop" if ended else "length"}
         await ctx.emit(CodesChunk(pending, self.codebooks, final=True).to_wire())
         await ctx.emit(usage)
         return {"codes": codes, **usage}
 
     async def close(self) -> None:
-        await self.loop.close()
+        await super().close()
         await EngineRegistry.process().release(self.model_key)
 
 
