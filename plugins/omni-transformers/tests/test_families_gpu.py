@@ -43,8 +43,9 @@ THINKER_MAX, TALKER_MAX = 24, 48
 # checkpoint its logits differ from float32's by up to 1.7% of that scale (median 0.6%; CPU), and two bfloat16
 # paths (other kernels, batch shapes, summation order) by up to about twice that.
 SAFE_MARGIN = 0.05
-# The 8 replies must share at least this many tokens with generate's in all (else the test compares little).
-MIN_AGREED = 16
+# The 8 replies must share at least this many tokens with generate's in all, else the test compared little (on a
+# CPU in bfloat16 they share all of theirs, 99; were each to part at its first thin pick, 16).
+MIN_AGREED = 8
 STAGE_DTYPES = {"thinker": DTYPE, "text": DTYPE, "talker": DTYPE, "audio_encoder": DTYPE, "vision_encoder": DTYPE}
 
 
