@@ -82,14 +82,12 @@ async def pipeline_numbers(name: str, n: int, preload: bool) -> dict:
 
 #: ``--modes``: the stage arguments of each variant measured by ``--first-audio`` (``before``: exact
 #: chunks, first-come batching, the talker's codes 16 at a time and no yielding to a first chunk:
-#: the scheduling before the fast mode, but for the batched talker sampling; ``fast-split``: fast
-#: with token2wav's batches split at 300 codes while a first chunk is to come).
+#: the scheduling before the fast mode, but for the batched talker sampling).
 MODES = {
     "before": {"token2wav": {"mode": "exact", "first_chunk_priority": False},
                "talker": {"first_codes_per_chunk": 16, "yield_to_first_audio": 0}},
     "exact": {"token2wav": {"mode": "exact"}},
     "fast": {"token2wav": {"mode": "fast"}},
-    "fast-split": {"token2wav": {"mode": "fast", "max_batch_codes": 300}},
 }
 
 

@@ -218,10 +218,9 @@ FIRST_CHUNKS = FirstChunkGate()
 
 
 class _Chunk:
-    __slots__ = ("item", "future", "arrived", "first", "key", "seq", "passed", "frames")
+    __slots__ = ("item", "future", "arrived", "first", "key", "seq", "passed")
 
-    def __init__(self, item: Any, future: asyncio.Future, arrived: float, first: bool, key: Hashable, seq: int,
-                 frames: int = 1):
+    def __init__(self, item: Any, future: asyncio.Future, arrived: float, first: bool, key: Hashable, seq: int):
         self.item = item
         self.future = future
         self.arrived = arrived
@@ -229,7 +228,6 @@ class _Chunk:
         self.key = key
         self.seq = seq
         self.passed = 0  # batches that ran while this chunk waited
-        self.frames = frames
 
 
 class ChunkBatcher(MicroBatcher):
@@ -242,39 +240,28 @@ class ChunkBatcher(MicroBatcher):
     request starves. Otherwise an ``omni_core.kits.MicroBatcher``: its ``max_batch_size`` /
     ``max_wait`` and their checks (a batch starts when that many chunks wait, or ``max_wait``
     seconds after the oldest arrived), its contract for ``fn`` (a list of items → one result or
-    exception per item; a plain function runs on a worker thread), closing and failing.
-    ``max_batch_frames`` (None: no limit) splits a batch: while ``first_to_come()`` says a
-    request's first chunk is still to come (default: always), a batch holds chunks of at most that
-    many ``frames`` together (at least one chunk), so a first chunk arriving meanwhile waits for a
-    shorter run; the rest go in the next batch. A batch holding a first chunk runs inside ``gate.hold()``
+    exception per item; a plain function runs on a worker thread), closing and failing. A batch holding a first chunk runs inside ``gate.hold()``
     (default :data:`FIRST_CHUNKS`; None: no gate)."""
 
     def __init__(self, fn: Callable[[list], list], *, max_batch_size: int = 16, max_wait: float = 0.002,
                  first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None,
-                 gate: FirstChunkGate | None = FIRST_CHUNKS, max_batch_frames: int | None = None,
-                 first_to_come: Callable[[], bool] | None = None):
+                 gate: FirstChunkGate | None = FIRST_CHUNKS):
         super().__init__(fn, max_batch_size=max_batch_size, max_wait=max_wait, name=name)
         if isinstance(max_passed_over, bool) or not isinstance(max_passed_over, int) or max_passed_over < 0:
             raise ValueError(f"max_passed_over must be an integer of at least 0, got {max_passed_over!r}")
-        if max_batch_frames is not None and (isinstance(max_batch_frames, bool) or not isinstance(max_batch_frames, int)
-                                             or max_batch_frames < 1):
-            raise ValueError(f"max_batch_frames must be an integer of at least 1 or null, got {max_batch_frames!r}")
-        self.max_batch_frames = max_batch_frames
-        self.first_to_come = first_to_come
         self.first_chunk_priority = bool(first_chunk_priority)
         self.max_passed_over = max_passed_over
         self.gate = gate
         self._waiting: list[_Chunk] = []  # type: ignore[assignment]  # ranked, not first in first out
         self._seq = itertools.count()
 
-    async def submit(self, item: Any, *, first: bool = False, key: Hashable = None, frames: int = 1) -> Any:
-        """Queue one chunk (``first``: a request's first; ``key``: what it batches with;
-        ``frames``: its size, what ``max_batch_frames`` counts) and return its result (or raise
-        its error)."""
+    async def submit(self, item: Any, *, first: bool = False, key: Hashable = None) -> Any:
+        """Queue one chunk (``first``: a request's first; ``key``: what it batches with) and
+        return its result (or raise its error)."""
         self._check_open()
         loop = self._bind()
         future = loop.create_future()
-        self._waiting.append(_Chunk(item, future, loop.time(), first, key, next(self._seq), frames))
+        self._waiting.append(_Chunk(item, future, loop.time(), first, key, next(self._seq)))
         self._poke()
         return await future
 
@@ -284,11 +271,7 @@ class ChunkBatcher(MicroBatcher):
 
     def _choose(self) -> list[_Chunk]:
         ranked = sorted(self._waiting, key=self._rank)
-        batch = [c for c in ranked if c.key == ranked[0].key][:self.max_batch_size]
-        if self.max_batch_frames is None or (self.first_to_come is not None and not self.first_to_come()):
-            return batch
-        frames = itertools.accumulate(c.frames for c in batch)  # a split batch: the rest goes next
-        return [c for c, total in zip(batch, frames, strict=True) if total <= self.max_batch_frames] or batch[:1]
+        return [c for c in ranked if c.key == ranked[0].key][:self.max_batch_size]
 
     async def _turn(self) -> bool:
         self._waiting = [c for c in self._waiting if not c.future.done()]  # callers that gave up
@@ -317,10 +300,8 @@ class ChunkBatcher(MicroBatcher):
 class StreamingVocoder:
     """Codes → waveform, streamed as the talker's frames arrive (``stream: false``: one chunk once
     the codes are all in). ``mode``: ``exact`` or ``fast`` (:data:`MODES`; how the family cuts its
-    chunks). ``max_batch_size`` / ``max_wait`` / ``first_chunk_priority`` / ``max_passed_over`` /
-    ``max_batch_frames``: the :class:`ChunkBatcher` of the chunks of concurrent requests (its
-    frames those of :meth:`window_frames`; the split applies while a request of the stage has not
-    sent its first chunk yet)."""
+    chunks). ``max_batch_size`` / ``max_wait`` / ``first_chunk_priority`` / ``max_passed_over``:
+    the :class:`ChunkBatcher` of the chunks of concurrent requests."""
 
     codebooks = 1
 
@@ -328,7 +309,7 @@ class StreamingVocoder:
                  sample_rate: int = 24000, wav_path: str | None = None, source: str = "talker",
                  stream: bool = True, max_batch_size: int = 16, max_wait: float = 0.002,
                  stage_name: str = "vocoder", relay_text: bool = True, mode: str = "exact",
-                 first_chunk_priority: bool = True, max_passed_over: int = 4, max_batch_frames: int | None = None):
+                 first_chunk_priority: bool = True, max_passed_over: int = 4):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -342,9 +323,7 @@ class StreamingVocoder:
         self.relay_text = relay_text
         self.batcher = ChunkBatcher(self._windows, max_batch_size=max_batch_size, max_wait=max_wait,
                                     first_chunk_priority=first_chunk_priority, max_passed_over=max_passed_over,
-                                    name=stage_name, max_batch_frames=max_batch_frames,
-                                    first_to_come=lambda: self.first_to_come > 0)
-        self.first_to_come = 0  # streamed requests whose first chunk is not submitted yet
+                                    name=stage_name)
 
     # -- hooks --------------------------------------------------------------------------------
     def load_model(self, path, *, dtype: str, device: str):
@@ -361,9 +340,6 @@ class StreamingVocoder:
 
     def batch_key(self, window) -> Hashable:
         return None
-
-    def window_frames(self, window) -> int:
-        return 1
 
     def run_window(self, window) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must run its model on a window (run_window)")
@@ -411,7 +387,6 @@ class StreamingVocoder:
         reader = asyncio.create_task(received.read())  # text goes on to the caller before the payload is here
         chunks: list[torch.Tensor] = []
         wav: WavWriter | None = None
-        counted = False  # in first_to_come
 
         async def emit(audio: torch.Tensor) -> None:
             chunks.append(audio)
@@ -433,8 +408,6 @@ class StreamingVocoder:
             if self.stream:
                 synthesis = self.new_synthesis(speaker, generator)
                 made = 0
-                self.first_to_come += 1
-                counted = True
                 while True:
                     await received.wait(lambda: synthesis.ready(len(received.codes), received.finished))
                     if synthesis.ready(len(received.codes), received.finished):
@@ -442,11 +415,7 @@ class StreamingVocoder:
                             window = synthesis.plan(list(received.codes), received.finished)
                         if window is None:  # nothing left
                             continue
-                        if counted:
-                            self.first_to_come -= 1
-                            counted = False
-                        audio = await self.batcher.submit(window, first=made == 0, key=self.batch_key(window),
-                                                          frames=self.window_frames(window))
+                        audio = await self.batcher.submit(window, first=made == 0, key=self.batch_key(window))
                         made += 1
                         if audio.numel():
                             await emit(audio)
@@ -464,8 +433,6 @@ class StreamingVocoder:
                 wav_path = await asyncio.to_thread(wav.close)
                 wav = None
         finally:
-            if counted:
-                self.first_to_come -= 1
             if not reader.done():
                 reader.cancel()
             if wav is not None:

@@ -81,9 +81,7 @@ class Token2Wav(StreamingVocoder):
     talker ends, the rest comes as one chunk. ``exact``: chunk boundaries and context rounded up
     to whole DiT blocks; ``fast``: boundaries anywhere, each window starting on a block.
     ``first_chunk_priority`` / ``max_passed_over``: the batcher serves first chunks before later
-    ones, a later chunk at most that many batches late (``kit.vocoder.ChunkBatcher``);
-    ``max_batch_codes`` (None: no limit): while a request's first chunk is still to come, one
-    ODE run holds windows of at most that many codes together (a split batch)."""
+    ones, a later chunk at most that many batches late (``kit.vocoder.ChunkBatcher``)."""
 
     def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32", num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, sample_rate: int | None = None,
@@ -93,14 +91,13 @@ class Token2Wav(StreamingVocoder):
                  lookback_codes: int | None = None, vocoder_context: int | None = None,
                  max_batch_size: int = 16, max_wait: float = 0.002, stage_name: str = "token2wav",
                  relay_text: bool = True, mode: str = "exact", first_chunk_priority: bool = True,
-                 max_passed_over: int = 4, max_batch_codes: int | None = None):
+                 max_passed_over: int = 4):
         if torch_dtype(dtype, torch.float32) != torch.float32:
             raise ValueError("token2wav runs in float32 (as transformers runs it); set dtype: float32")
         super().__init__(model, device=device, dtype=dtype, sample_rate=sample_rate or 24000, wav_path=wav_path,
                          source=source, stream=stream, max_batch_size=max_batch_size, max_wait=max_wait,
                          stage_name=stage_name, relay_text=relay_text, mode=mode,
-                         first_chunk_priority=first_chunk_priority, max_passed_over=max_passed_over,
-                         max_batch_frames=max_batch_codes)
+                         first_chunk_priority=first_chunk_priority, max_passed_over=max_passed_over)
         self.sample_rate = sample_rate or sample_rate_of(self.path)
         self.speakers = load_speakers(self.path)
         self.options = {"num_steps": num_steps, "guidance_scale": guidance_scale, "sway_coefficient": sway_coefficient}
@@ -129,10 +126,6 @@ class Token2Wav(StreamingVocoder):
     def batch_key(self, window: _Window) -> tuple:
         """Windows of one length and one reference-mel shape run in one ODE."""
         return len(window.codes), tuple(window.synthesis.speaker["ref_mel"].shape)
-
-    def window_frames(self, window: _Window) -> int:
-        """A window's DiT work in codes (what ``max_batch_codes`` counts)."""
-        return len(window.codes)
 
     def chunk_schedule(self, total: int | None = None) -> list[int]:
         """The chunk sizes in codes (for ``total`` codes, the last one what is left)."""
