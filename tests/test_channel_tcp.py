@@ -90,7 +90,7 @@ def test_a_tcp_inbox_must_be_bound_with_keys_and_unadopted_ones_are_released(tmp
     with pytest.raises(ValueError, match="bind_inbox"):
         Inbox(ctx, "tcp://127.0.0.1:5", lambda m, f: None)
     with pytest.raises(ValueError, match="no CurveZMQ keys"):
-        Outbox(ctx)._sock("tcp://127.0.0.1:6")
+        Outbox(ctx).post("tcp://127.0.0.1:6", {"kind": "hello"})
     keys = CurveKeys.generate()
     address = bind_inbox(None, keys=keys, host="127.0.0.1")
     release_inboxes([address])
@@ -110,7 +110,7 @@ def test_a_released_port_is_closed_when_release_returns(monkeypatch):
     rebind right after it failed with EADDRINUSE in 11 runs of 20. Release waits for the port."""
     from omni_core.runtime import channel
 
-    monkeypatch.setattr(channel, "_bind_when_free", _plain_bind)  # no waiting on the bind side
+    monkeypatch.setattr(channel, "bind_when_free", _plain_bind)  # no waiting on the bind side
     keys = CurveKeys.generate()
     ctx = zmq.Context()
     try:
@@ -158,7 +158,7 @@ def test_an_exact_tcp_bind_waits_for_a_port_another_socket_still_holds():
     sock = zmq.Context.instance().socket(zmq.PULL)
     try:
         with pytest.raises(zmq.ZMQError, match="still in use after"):
-            channel._bind_when_free(sock, address, timeout=0.2)
+            channel.bind_when_free(sock, address, timeout=0.2)
     finally:
         sock.close(linger=0)
         holder.close()

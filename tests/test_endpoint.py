@@ -12,6 +12,7 @@ from fake_endpoint import FakeEndpoint
 from omni_core import load_config
 from omni_core.plugins import get_registry
 from omni_core.runtime import wire
+from omni_core.testing.waiting import until
 
 CONFIG = {"name": "ep", "stages": [{"name": "a", "factory": "omni_test_stages:Upper", "terminal": True}]}
 
@@ -60,7 +61,7 @@ def test_payloads_and_tensors_reach_the_receiver_in_the_order_sent(endpoint):
     async def main():
         for i in range(5):
             ep.receive_data("result", 1, "a", {"i": i, "t": torch.full((3,), float(i))} if i % 2 else {"i": i})
-        await asyncio.sleep(0)
+        await until(lambda: len(receiver.delivered) == 5, "the five payloads delivered")
 
     run(main())
     assert [p["i"] for _, p in receiver.delivered] == [0, 1, 2, 3, 4]

@@ -17,7 +17,7 @@ from runtime_helpers import arun, fn, no_leaks, pipeline, settle, stage  # noqa:
 
 from omni_core import PENDING, Pipeline, RequestAborted, StageError
 from omni_core.errors import RequestTimeout
-from omni_core.runtime.context import PayloadPending, StageContext
+from omni_core.runtime.context import CallState, PayloadPending, StageContext
 from omni_core.runtime.flow import Window
 from omni_core.testing.waiting import suspended
 
@@ -209,24 +209,26 @@ def test_payload_returns_at_once_when_given_and_waits_otherwise_from_a_thread_to
     async def body():
         given = StageContext(runtime, 1, "r1", {"a": 1})
         assert await given.payload() == {"a": 1}
-        ctx = StageContext(runtime, 2, "r2")
+        call = CallState(asyncio.get_running_loop())
+        ctx = StageContext(runtime, 2, "r2", call=call)
         waiter = asyncio.ensure_future(ctx.payload())
         got: list = []
         thread = threading.Thread(target=lambda: got.append(ctx.payload_threadsafe(timeout=10)))
         thread.start()
         await suspended(waiter)
         assert not waiter.done()
-        ctx._arrive({"b": 2})
+        call.arrive({"b": 2})
         assert await waiter == {"b": 2}
         await asyncio.to_thread(thread.join, 10)
         assert got == [{"b": 2}]
-        ctx._end()
+        call.end()
         with pytest.raises(Exception, match="after its call ended"):
             await ctx.payload()
-        pending = StageContext(runtime, 3, "r3")
+        pending_call = CallState(asyncio.get_running_loop())
+        pending = StageContext(runtime, 3, "r3", call=pending_call)
         cancelled = asyncio.ensure_future(pending.payload())
         await suspended(cancelled)
-        pending._end()  # the call ended while a helper task still waited
+        pending_call.end()  # the call ended while a helper task still waited
         with pytest.raises(asyncio.CancelledError):
             await cancelled
 
@@ -268,7 +270,7 @@ def test_several_tasks_waiting_on_one_window_each_get_a_credit_as_it_comes():
             done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
             assert done, "a granted credit woke no waiter"
             tasks = [t for t in tasks if not t.done()]
-        assert not tasks and window.credits == 0 and not window._waiters
+        assert not tasks and window.credits == 0 and window.waiting == 0
 
     arun(body())
 

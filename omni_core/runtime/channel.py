@@ -614,7 +614,7 @@ def bind_inbox(ipc: str | None, *, keys: CurveKeys | None = None, host: str | No
             sock.curve_publickey = keys.server_public
             sock.zap_domain = keys.domain.encode()
             if tcp is not None:
-                _bind_when_free(sock, tcp)
+                bind_when_free(sock, tcp)
                 address = tcp
             elif port_range is not None:
                 port = sock.bind_to_random_port(f"tcp://{host}", port_range[0], port_range[1] + 1, max_tries=1000)
@@ -694,7 +694,7 @@ def _close_listener(sock: zmq.Socket, timeout: float = _PORT_TIMEOUT) -> None:
         sock.close(linger=0)
 
 
-def _bind_when_free(sock: zmq.Socket, address: str, timeout: float = _PORT_TIMEOUT) -> None:
+def bind_when_free(sock: zmq.Socket, address: str, timeout: float = _PORT_TIMEOUT) -> None:
     """Bind ``address`` exactly, waiting up to ``timeout`` while the port is still held (a
     restarted process keeps its address; its predecessor may still be exiting)."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from .flow import StreamBuffer, StreamClosed, StreamStalled
 
-__all__ = ["PENDING", "PayloadPending", "StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
+__all__ = ["PENDING", "CallState", "PayloadPending", "StageContext", "StreamBuffer", "StreamClosed", "StreamStalled"]
 
 
 class _Runtime(Protocol):
@@ -51,7 +51,50 @@ class _Pending:
 #: (``can_accept_stream_before_payload: true``); ``await ctx.payload()`` returns the payload.
 PENDING: Any = _Pending()
 
-_ENDED = object()  # a context's payload once its call has ended
+_ENDED = object()  # a call's payload once the call has ended
+
+
+class CallState:
+    """The runtime's side of one call, which the call's :class:`StageContext` reads: the payload,
+    handed over at the start or, for a call that started on a stream chunk, when it comes
+    (:meth:`arrive`); whether the request was aborted (:meth:`abort`); the call's end (:meth:`end`),
+    which stops anyone still waiting for the payload."""
+
+    __slots__ = ("aborted", "_payload", "_arrival", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, payload: Any = PENDING):
+        self.aborted = False
+        self._payload = payload
+        self._arrival: asyncio.Future | None = None  # while someone waits in payload()
+        self._loop = loop
+
+    def arrive(self, payload: Any) -> None:
+        """The payload of a call that started without it."""
+        if self._payload is _ENDED:  # the call returned meanwhile: nobody will read it
+            return
+        self._payload = payload
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(payload)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def end(self) -> None:
+        """The call ended: drop the payload and stop anyone still waiting for it."""
+        self._payload = _ENDED
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.cancel()
+        self._arrival = None
+
+    async def payload(self, stage: str) -> Any:
+        payload = self._payload
+        if payload is not PENDING:
+            if payload is _ENDED:
+                raise StreamClosed(f"stage {stage!r} asked for its payload after its call ended")
+            return payload
+        if self._arrival is None:
+            self._arrival = self._loop.create_future()
+        return await asyncio.shield(self._arrival)
 
 
 class StageContext:
@@ -75,24 +118,23 @@ class StageContext:
       :func:`omni_core.files.local_path` for it, which applies the rule for such requests.
     """
 
-    __slots__ = ("request_id", "stage_name", "from_network", "_rid", "_runtime", "_aborted", "_loop", "_payload",
-                 "_arrival")
+    __slots__ = ("request_id", "stage_name", "from_network", "_rid", "_runtime", "_loop", "_call")
 
     def __init__(self, runtime: _Runtime, rid: int, request_id: str, payload: Any = PENDING,
-                 loop: asyncio.AbstractEventLoop | None = None, from_network: bool = False):
+                 loop: asyncio.AbstractEventLoop | None = None, from_network: bool = False,
+                 call: CallState | None = None):
+        """``call``: the runtime's side of the call (a new one holding ``payload`` if not given)."""
         self.request_id = request_id
         self.from_network = from_network
         self.stage_name = runtime.name
         self._rid = rid
         self._runtime = runtime
-        self._aborted = False
         self._loop = loop if loop is not None else asyncio.get_running_loop()
-        self._payload = payload
-        self._arrival: asyncio.Future | None = None  # while someone waits in payload()
+        self._call = call if call is not None else CallState(self._loop, payload)
 
     @property
     def aborted(self) -> bool:
-        return self._aborted
+        return self._call.aborted
 
     async def emit(self, chunk: Any) -> None:
         """Stream ``chunk`` on (see the class docstring for where it goes)."""
@@ -105,33 +147,11 @@ class StageContext:
     async def payload(self) -> Any:
         """The call's payload, waiting for it if the call started before it arrived (see the
         class docstring). An abort of the request cancels the wait like any other."""
-        payload = self._payload
-        if payload is not PENDING:
-            if payload is _ENDED:
-                raise StreamClosed(f"stage {self.stage_name!r} asked for its payload after its call ended")
-            return payload
-        if self._arrival is None:
-            self._arrival = self._loop.create_future()
-        return await asyncio.shield(self._arrival)
+        return await self._call.payload(self.stage_name)
 
     def payload_threadsafe(self, timeout: float | None = None) -> Any:
         """``payload`` for sync stages running in a worker thread; blocks until it arrives."""
         return asyncio.run_coroutine_threadsafe(self.payload(), self._loop).result(timeout)
-
-    def _arrive(self, payload: Any) -> None:
-        """The runtime hands over the payload of a call that started without it."""
-        if self._payload is _ENDED:  # the call returned meanwhile: nobody will read it
-            return
-        self._payload = payload
-        if self._arrival is not None and not self._arrival.done():
-            self._arrival.set_result(payload)
-
-    def _end(self) -> None:
-        """The call ended: drop the payload and stop anyone still waiting for it."""
-        self._payload = _ENDED
-        if self._arrival is not None and not self._arrival.done():
-            self._arrival.cancel()
-        self._arrival = None
 
     def stream_from(self, stage: str) -> AsyncIterator[Any]:
         """The chunks ``stage`` streams to this stage for this request."""

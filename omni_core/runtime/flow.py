@@ -49,6 +49,11 @@ class Window:
         #: Producers waiting for a credit: one call may emit to one reader from several tasks.
         self._waiters: list[asyncio.Future] = []
 
+    @property
+    def waiting(self) -> int:
+        """How many emits wait for a credit of this window."""
+        return len(self._waiters)
+
     def grant(self, n: int, closed: bool = False) -> None:
         self.credits += n
         self.closed = self.closed or closed

@@ -24,7 +24,7 @@ from structlog.contextvars import bind_contextvars, reset_contextvars
 from .. import metrics, tracing
 from ..config.schema import StageConfig
 from ..errors import PluginError
-from .context import PENDING, StageContext
+from .context import PENDING, CallState, StageContext
 from .eager import Starting, start_call
 from .fan_in import FanIn
 from .flow import Grant, StreamClosed
@@ -71,7 +71,7 @@ class StageRuntime:
         self.slots = Slots(concurrency)
         self.executor = None if self.is_async else ThreadPoolExecutor(concurrency, thread_name_prefix=f"stage-{cfg.name}")
         self.running: dict[int, asyncio.Task | Starting] = {}  # a stand-in until the call suspends
-        self.contexts: dict[int, StageContext] = {}
+        self.calls: dict[int, CallState] = {}
         self.inbounds: dict[int, Inbound] = {}  # what each running call received
         self.fan_in = FanIn(cfg, fns)
         self.streams = Inflow(cfg.name, streaming_sources, stream_buffer, follower=follower)
@@ -80,7 +80,7 @@ class StageRuntime:
         self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(streaming_sources)
         #: calls started on a chunk whose payload has not come: their context, None once the
         #: call ended (a payload that comes then is dropped)
-        self.awaiting: dict[int, StageContext | None] = {}
+        self.awaiting: dict[int, CallState | None] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def requests(self) -> set[int]:
@@ -112,12 +112,12 @@ class StageRuntime:
         """The call's whole payload is here: start the call, or hand the payload to the call that
         started on a stream chunk."""
         if rid in self.awaiting:
-            ctx = self.awaiting.pop(rid)
-            if ctx is None:  # that call ended without it
+            call = self.awaiting.pop(rid)
+            if call is None:  # that call ended without it
                 inbound.release()
             else:  # released with the rest of what the call received
                 self.inbounds[rid].merge(inbound)
-                ctx._arrive(payload)
+                call.arrive(payload)
             return
         if rid in self.running or rid in self.finished:
             inbound.release()
@@ -158,12 +158,13 @@ class StageRuntime:
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.get_running_loop()
-        ctx = self.contexts[rid] = StageContext(self, rid, request_id, payload, loop, rid in self.port.networked)
+        call = self.calls[rid] = CallState(loop, payload)
+        ctx = StageContext(self, rid, request_id, loop=loop, from_network=rid in self.port.networked, call=call)
         if payload is PENDING:
-            self.awaiting[rid] = ctx
+            self.awaiting[rid] = call
         stand_in = Starting(loop)
         self.running[rid] = stand_in
-        task = start_call(self._run(rid, ctx, payload, inbound), stand_in,
+        task = start_call(self._run(rid, call, ctx, payload, inbound), stand_in,
                           lambda t: self._ended(rid, t, inbound), stage=self.name)
         if task is not None and self.running.get(rid) is stand_in:
             self.running[rid] = task
@@ -177,10 +178,10 @@ class StageRuntime:
         if self.running.get(rid) is task:
             del self.running[rid]
             self.inbounds.pop(rid, None)
-            self.contexts.pop(rid, None)
+            self.calls.pop(rid, None)
             self.streams.close(rid)
 
-    async def _run(self, rid: int, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
+    async def _run(self, rid: int, call: CallState, ctx: StageContext, payload: Any, inbound: Inbound) -> None:
         request_id = ctx.request_id
         _REQUEST_ID.set(request_id)  # this call's log lines (bind_contextvars, at half the cost)
         started = None
@@ -206,7 +207,7 @@ class StageRuntime:
                 meter.ended("ok", perf_counter() - started, request_id)
                 started = None
                 del payload
-                ctx._end()
+                call.end()
                 if self.streams.sources:
                     self.finished.add(rid)
                 if self.follower:  # only the TP leader's result goes downstream
@@ -221,8 +222,8 @@ class StageRuntime:
                 slots.release()
         except asyncio.CancelledError:
             if started is not None:
-                meter.ended("aborted" if ctx._aborted else "error", perf_counter() - started, request_id)
-            if not ctx._aborted:  # the stage's own code raised it: a failure, not an abort
+                meter.ended("aborted" if call.aborted else "error", perf_counter() - started, request_id)
+            if not call.aborted:  # the stage's own code raised it: a failure, not an abort
                 self.port.fail(rid, self.name, StageCancelled(
                     f"stage {self.name!r} raised asyncio.CancelledError without being aborted"))
         except BaseException as exc:  # noqa: B902 - SystemExit, KeyboardInterrupt too: this request only
@@ -230,8 +231,8 @@ class StageRuntime:
                 meter.ended("error", perf_counter() - started, request_id)
             self.port.fail(rid, self.name, exc)
         finally:
-            ctx._end()
-            if self.awaiting.get(rid) is ctx:  # returned without its payload: drop it when it comes
+            call.end()
+            if self.awaiting.get(rid) is call:  # returned without its payload: drop it when it comes
                 self.awaiting[rid] = None
             inbound.release()
             self.streams.close(rid)
@@ -259,9 +260,9 @@ class StageRuntime:
 
     def forget(self, rid: int) -> None:
         """Request ``rid`` ended elsewhere (abort, failure, done): cancel and free everything."""
-        ctx = self.contexts.get(rid)
-        if ctx is not None:
-            ctx._aborted = True
+        call = self.calls.get(rid)
+        if call is not None:
+            call.abort()
         task = self.running.get(rid)
         if task is not None:
             task.cancel()
