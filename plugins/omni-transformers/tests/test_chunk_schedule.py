@@ -95,7 +95,7 @@ def test_exact_mode_is_the_default_and_keeps_its_schedule(stages):
 def test_each_modes_chunks_are_within_its_bound_of_the_unchunked_synthesis(stages, n):
     codes = torch.randint(0, 8000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     exact, fast = stages["exact"], stages["fast"]
-    unchunked = exact._synthesize(codes, speaker_params(exact.speakers, "Chelsie"), make_generator(3))
+    unchunked = exact.synthesize(codes, speaker_params(exact.speakers, "Chelsie"), make_generator(3))
     for mode, max_rel, min_corr in (("exact", STREAM_MAX_RELATIVE_ERROR, STREAM_MIN_CORRELATION),
                                     ("fast", FAST_MAX_RELATIVE_ERROR, FAST_MIN_CORRELATION)):
         one_by_one, first_at = stream_in(stages[mode], codes, range(1, n + 1))
@@ -136,9 +136,9 @@ def test_the_speaker_encoder_runs_once_per_ode_run_and_changes_no_bit(stages, mo
 
     encode = encoder.encode
     monkeypatch.setattr(encoder, "encode", counted)
-    once = stage._synthesize(codes, speaker, make_generator(3))
+    once = stage.synthesize(codes, speaker, make_generator(3))
     assert len(calls) == 1  # of 4 x (num_steps - 1) = 36 evaluations
     monkeypatch.setattr(encoder, "once", contextlib.nullcontext)  # every evaluation encodes, as transformers does
-    every = stage._synthesize(codes, speaker, make_generator(3))
+    every = stage.synthesize(codes, speaker, make_generator(3))
     assert len(calls) == 1 + 4 * (stage.options["num_steps"] - 1)
     assert torch.equal(once, every)

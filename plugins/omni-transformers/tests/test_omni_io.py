@@ -220,7 +220,7 @@ def stream_in(stage, codes, arrivals, seed=3):
 @pytest.mark.parametrize("n", [1, 7, 64, 150])
 def test_streamed_chunks_are_within_the_bound_of_the_unchunked_synthesis(token2wav, n):
     codes = torch.randint(0, 8000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    unchunked = token2wav._synthesize(codes, speaker_params(token2wav.speakers, "Chelsie"), make_generator(3))
+    unchunked = token2wav.synthesize(codes, speaker_params(token2wav.speakers, "Chelsie"), make_generator(3))
     one_by_one = stream_in(token2wav, codes, range(1, n + 1))
     by_sixteen = stream_in(token2wav, codes, [*range(16, n, 16), n])
     at_once = stream_in(token2wav, codes, [n])
@@ -277,7 +277,7 @@ def test_token2wav_emits_audio_before_the_last_code_arrives(token2wav):
     assert len(audio) >= 3 and all(c["sample_rate"] == 24000 for c in ctx.emitted if "audio" in c)
     assert result["codes"] == codes and torch.equal(torch.cat(audio), result["audio"])
     assert ctx.emitted[0] == {"text": "hi", "token_ids": [104, 105]}
-    unchunked = token2wav._synthesize(codes, speaker_params(token2wav.speakers, "Chelsie"), make_generator(3))
+    unchunked = token2wav.synthesize(codes, speaker_params(token2wav.speakers, "Chelsie"), make_generator(3))
     rel, corr = stream_error(result["audio"], unchunked)
     assert rel <= STREAM_MAX_RELATIVE_ERROR and corr >= STREAM_MIN_CORRELATION
 

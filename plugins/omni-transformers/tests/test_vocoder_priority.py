@@ -59,8 +59,9 @@ async def served_order(batcher: ChunkBatcher, fake: GatedVocoder, queued: list[t
     while True:
         if pending:
             name, first, key = pending.pop(0)
+            queued_before = batcher.waiting  # no batch runs while the fake holds the current one
             tasks.append(asyncio.ensure_future(batcher.submit(name, first=first, key=key)))
-            await until(lambda n=name: any(c.item == n for c in batcher._waiting), f"{name} queued")
+            await until(lambda q=queued_before: batcher.waiting == q + 1, f"{name} queued")
         if not batcher.waiting:
             break
         done = len(fake.batches)

@@ -213,7 +213,6 @@ class Token2Wav(StreamingVocoder):
             mel = self._mel([codes], noise, [speaker]).permute(0, 2, 1)
             return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
-    _synthesize = synthesize  # the name tests use
 
 
 class SpeakerEncoderOnce:
