@@ -23,9 +23,12 @@ import uuid
 
 import pytest
 import torch
-from conftest import HERE, live_actors, wait_until
 from omni_core import Pipeline
 from omni_core.testing.leaks import processes_with_env
+
+from omni_ray.testing import live_actors, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # where ray_test_stages lives
 
 pytestmark = pytest.mark.timeout(300)
 

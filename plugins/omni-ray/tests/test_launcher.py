@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
-from conftest import live_actors, wait_until
 from omni_core import Pipeline, ProcessDied
 from omni_core.testing.leaks import runtime_dirs
 from omni_core.testing.waiting import until
+
+from omni_ray.testing import live_actors, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_actor_leaks")]
 
