@@ -35,7 +35,7 @@ def pytest_commands() -> list[tuple[str, str]]:
 
 def test_every_env_runs_pytest_with_posargs():
     envs = {section for section, _ in pytest_commands()}
-    assert {"testenv:core", "testenv:contrib", "testenv:transformers", "testenv:ray", "testenv:gpu-relays"} <= envs
+    assert {"testenv:core", "testenv:contrib", "testenv:transformers", "testenv:ray", "testenv:tcp", "testenv:gpu-relays"} <= envs
 
 
 @pytest.mark.parametrize(("section", "command"), pytest_commands(), ids=lambda v: v if v.startswith("testenv") else "")
