@@ -35,7 +35,7 @@ def test_the_plugin_registers_its_stages_wiring_functions_and_two_pipelines():
                                                   "transformers.qwen3_omni.terminal_stages"]
 
 
-@pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 2), ("qwen2_5_omni.split", 6)])
+@pytest.mark.parametrize("name, processes", [("qwen2_5_omni", 3), ("qwen2_5_omni.split", 6)])
 def test_shipped_pipelines_are_valid(name, processes):
     reg = registry()
     cfg = load_config(name, registry=reg)
@@ -46,7 +46,9 @@ def test_shipped_pipelines_are_valid(name, processes):
     assert len({s.process or s.name for s in cfg.stages}) == processes
     if name == "qwen2_5_omni":
         by_name = {s.name: s for s in cfg.stages}
-        assert by_name["thinker"].process != by_name["talker"].process == by_name["token2wav"].process
+        # thinker, talker and token2wav each in a process of their own (docs/models.md: beside the
+        # talker, token2wav's DiT held the interpreter the talker's steps need)
+        assert len({by_name[n].process for n in ("thinker", "talker", "token2wav")}) == 3
     by_name = {s.name: s for s in cfg.stages}
     assert by_name["text"].process == by_name["thinker"].process  # one model and decode loop for both
     assert cfg.launcher.options["preload"] == ["omni_transformers.preload"]
