@@ -472,7 +472,7 @@ class Forger:
             transfer = await original_shm(relay, request_id, [torch.zeros(1)] + list(tensors) if kind else tensors, target)
             if kind is None:
                 return transfer
-            h = shm._decode(transfer.handle)
+            h = shm.decode_handle(transfer.handle)
             if kind == "path":
                 h = msgspec.structs.replace(h, segment=os.path.relpath(victim_path, "/dev/shm"))
             elif kind == "huge":
@@ -481,7 +481,7 @@ class Forger:
                 h = msgspec.structs.replace(h, shapes=[[1 << 27]] + h.shapes[1:])
             elif kind == "other-run":
                 h = msgspec.structs.replace(h, segment=h.segment.replace("omni-", "omni-x", 1))
-            return type(transfer)(shm._encode(h), transfer.frames)
+            return type(transfer)(shm.encode_handle(h), transfer.frames)
 
         async def inline_put(relay, request_id, tensors, target):
             kind, tensors = marked(tensors)

@@ -155,9 +155,9 @@ def test_inputs_stay_within_max_in_flight_and_are_numbered_by_line(work):
 
 
 def test_a_summary_without_successes_reports_no_latency():
-    from omni_core.cli.run import _Batch
+    from omni_core.cli.run import Batch
 
-    batch = _Batch(2)
+    batch = Batch(2)
     batch.done = batch.failures = 2
     assert batch.summary() == "2 requests, 2 failed, no latency: no request succeeded"
 
@@ -165,7 +165,7 @@ def test_a_summary_without_successes_reports_no_latency():
 def test_overloaded_is_retried_with_back_off():
     import asyncio
 
-    from omni_core.cli.run import _submit_retrying
+    from omni_core.cli.run import submit_retrying
     from omni_core.errors import Overloaded
 
     class Full:
@@ -178,7 +178,7 @@ def test_overloaded_is_retried_with_back_off():
             return inputs
 
     pipeline = Full()
-    assert asyncio.run(_submit_retrying(pipeline, {"x": 1}, "line-1")) == {"x": 1}
+    assert asyncio.run(submit_retrying(pipeline, {"x": 1}, "line-1")) == {"x": 1}
     assert pipeline.calls == 3
 
 

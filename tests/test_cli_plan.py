@@ -251,10 +251,10 @@ def test_dot_with_eight_gpus_and_cpu_stages_says_cpu(workdir):
 
 
 def test_graph_labels_escape_quotes():
-    from omni_core.plan.render import _dot_text, _mermaid_text
+    from omni_core.plan.render import dot_text, mermaid_text
 
-    assert _dot_text('a "b" \\c') == '"a \\"b\\" \\\\c"'
-    assert _mermaid_text('a "b" | c') == "a #quot;b#quot; #124; c"
+    assert dot_text('a "b" \\c') == '"a \\"b\\" \\\\c"'
+    assert mermaid_text('a "b" | c') == "a #quot;b#quot; #124; c"
 
 
 # -- errors and usage ------------------------------------------------------------------------------

@@ -15,9 +15,8 @@ import torch
 from omni_core.errors import OmniError
 from omni_core.relay import InvalidHandle, RelayError
 from omni_core.relay.base import RelayContext
-from omni_core.relay.inline import InlineRelay, _Meta, inline_transfer
-from omni_core.relay.inline import _encode as inline_encode
-from omni_core.relay.shm import ShmRelay, _decode, _encode, _Handle
+from omni_core.relay.inline import InlineRelay, Meta, encode_meta, inline_transfer
+from omni_core.relay.shm import Handle, ShmRelay, decode_handle, encode_handle
 from omni_core.testing.relay_conformance import shm_entries
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,13 +49,13 @@ def pair(run_id, tmp_path):
     sender = ShmRelay(RelayContext(run_id, "a", str(tmp_path), OPTIONS))
     receiver = ShmRelay(RelayContext(run_id, "b", str(tmp_path), OPTIONS))
     transfer = run(sender.put(7, [torch.arange(16, dtype=torch.float32)], "b"))
-    yield sender, receiver, _decode(transfer.handle)
+    yield sender, receiver, decode_handle(transfer.handle)
     receiver.close()
     sender.close()
 
 
-def forged(h: _Handle, **changes) -> bytes:
-    return _encode(msgspec.structs.replace(h, **changes))
+def forged(h: Handle, **changes) -> bytes:
+    return encode_handle(msgspec.structs.replace(h, **changes))
 
 
 def refused(relay, handle: bytes, frames=(), match: str | None = None) -> InvalidHandle:
@@ -119,9 +118,9 @@ def test_shm_goes_on_after_forged_handles(pair):
     sender, receiver, h = pair
     refused(receiver, forged(h, segment="../../x"))
     refused(receiver, forged(h, shapes=GIANT))
-    got = run(receiver.get(_encode(h)))
+    got = run(receiver.get(encode_handle(h)))
     assert torch.equal(got[0], torch.arange(16, dtype=torch.float32))
-    receiver.release(_encode(h))
+    receiver.release(encode_handle(h))
     receiver.release(forged(h, segment="../../x"))  # release of a forged handle: nothing happens
     receiver.release(b"garbage")
 
@@ -137,10 +136,10 @@ def test_inline_refuses_frames_that_do_not_match_the_declared_tensors():
     refused(relay, handle, [frames[0], b"\0" * 8], match="frame 1")
     refused(relay, handle, [frames[0] + b"\0" * 4, frames[1]], match="frame 0")
     before = peak_rss_mib()
-    refused(relay, inline_encode(_Meta(["float32"], GIANT)), [b""], match="frame 0")
+    refused(relay, encode_meta(Meta(["float32"], GIANT)), [b""], match="frame 0")
     assert peak_rss_mib() - before < 256
-    refused(relay, inline_encode(_Meta(["float32"], [[-1]])), [b""], match="shape")
-    refused(relay, inline_encode(_Meta(["nope"], [[1]])), [b"\0"], match="dtype")
+    refused(relay, encode_meta(Meta(["float32"], [[-1]])), [b""], match="shape")
+    refused(relay, encode_meta(Meta(["nope"], [[1]])), [b"\0"], match="dtype")
     refused(relay, b"\xc1", [], match="malformed")
 
 
@@ -154,8 +153,8 @@ def test_inline_does_not_own_what_it_returns():
 def test_shm_debug_state_counts_what_is_held_until_released(pair):
     sender, receiver, h = pair
     assert sender.debug_state() == {"received": 0, "sent": 1}
-    run(receiver.get(_encode(h)))
+    run(receiver.get(encode_handle(h)))
     assert receiver.debug_state() == {"received": 1, "sent": 0}
-    receiver.release(_encode(h))
+    receiver.release(encode_handle(h))
     assert receiver.debug_state() == {"received": 0, "sent": 0}
     assert sender.debug_state() == {"received": 0, "sent": 0}

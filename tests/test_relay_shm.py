@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_core.relay.base import InvalidHandle, RelayContext, RelayTimeout
-from omni_core.relay.shm import ShmRelay, ShmRelayError, _decode
+from omni_core.relay.shm import ShmRelay, ShmRelayError, decode_handle
 from omni_core.relay.shm_segment import MAGIC, parse_name, pid_namespace
 from omni_core.testing.peer import PeerState, RelayPeer, put_seeded
 from omni_core.testing.relay_conformance import RelayConformance, sample, shm_entries
@@ -98,7 +98,7 @@ def test_receiver_tensors_view_the_senders_pool_and_slots_are_reused(make, run_i
         seen = set()
         for i in range(10):
             transfer = run(sender.put(i, [sample(torch.float32, (1000,), seed=i)], "stage_b"))
-            handle = _decode(transfer.handle)
+            handle = decode_handle(transfer.handle)
             seen.add((handle.segment, handle.slot))
             [path] = peer.call(where_tensors_live, transfer.handle)
             assert path == f"/dev/shm/{handle.segment}"
@@ -227,7 +227,7 @@ def test_get_of_a_handle_whose_request_was_cleaned_up_is_a_clear_error(make):
     old = run(sender.put(1, [torch.ones(4)], "b"))
     sender.cleanup(1)
     new = run(sender.put(2, [torch.zeros(4)], "b"))
-    assert _decode(new.handle).slot == _decode(old.handle).slot
+    assert decode_handle(new.handle).slot == decode_handle(old.handle).slot
     with pytest.raises(ShmRelayError, match="stale"):
         run(receiver.get(old.handle))
     [got] = run(receiver.get(new.handle))
@@ -279,7 +279,7 @@ def test_receiver_unmaps_pools_of_dead_senders(make, run_id, tmp_path):
     handle, _ = peer.call(put_seeded, 1, "b", 0, [[10]])
     run(receiver.get(handle))
     receiver.release(handle)
-    doomed = _decode(handle).segment
+    doomed = decode_handle(handle).segment
     assert doomed in _mapped_files()
     peer.kill()
     assert not peer.process.is_alive()

@@ -212,7 +212,7 @@ async def _run_one(config: str, inputs: Any, stream: bool, request_id: str | Non
         await pipeline.stop()
 
 
-class _Batch:
+class Batch:
     """What a batch run has done so far (for the summary, also after a Ctrl-C)."""
 
     def __init__(self, total: int):
@@ -235,7 +235,7 @@ class _Batch:
         return f"{self.total} requests, {self.failures} failed, {latency}"
 
 
-async def _submit_retrying(pipeline: Any, inputs: Any, request_id: str) -> Any:
+async def submit_retrying(pipeline: Any, inputs: Any, request_id: str) -> Any:
     """Submit; an ``Overloaded`` refusal (another caller filled the pipeline) is retried with
     exponential back-off before it counts as the request's error."""
     from ..errors import Overloaded
@@ -253,7 +253,7 @@ async def _submit_retrying(pipeline: Any, inputs: Any, request_id: str) -> Any:
 
 
 async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | None, concurrency: int | None,
-                    gpus: int | None, tensor_data: bool = False) -> _Batch:
+                    gpus: int | None, tensor_data: bool = False) -> Batch:
     """Run every line (``(line number, text)``) with at most ``concurrency`` in flight (never more
     than ``limits.max_in_flight``); results are written as they finish, numbered by input line.
 
@@ -266,7 +266,7 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
 
     from ..errors import OmniError
 
-    batch = _Batch(len(lines))
+    batch = Batch(len(lines))
     pipeline = await _started(config, gpus)
     limit = pipeline.config.limits.max_in_flight
     if concurrency is not None and concurrency > limit:
@@ -301,7 +301,7 @@ async def _run_many(config: str, lines: list[tuple[int, str]], output: Path | No
                     start = time.perf_counter()
                     try:
                         inputs = json.loads(line)
-                        result = await _submit_retrying(pipeline, inputs, f"line-{number}")
+                        result = await submit_retrying(pipeline, inputs, f"line-{number}")
                         record["result"] = to_jsonable(result, tensor_data=tensor_data)
                         batch.latencies.append(time.perf_counter() - start)
                     except (OmniError, json.JSONDecodeError) as exc:

@@ -247,13 +247,13 @@ def render_mermaid(plan: Plan) -> str:
     ids = {name: f"s{i}" for i, name in enumerate(plan.config.stage_names)}
     lines = ["flowchart LR", '  input(["input"])', '  output(["output"])']
     for i, group in enumerate(plan.groups):
-        lines.append(f'  subgraph g{i}["{_mermaid_text(group_label(plan, group))}"]')
-        lines += [f'    {ids[s]}["{_mermaid_text(s)}"]' for s in plan.group(group)[0].stages]
+        lines.append(f'  subgraph g{i}["{mermaid_text(group_label(plan, group))}"]')
+        lines += [f'    {ids[s]}["{mermaid_text(s)}"]' for s in plan.group(group)[0].stages]
         lines.append("  end")
     lines.append(f"  input --> {ids[plan.config.entry]}")
     for edge in plan.edges:
         arrow = "-->" if edge.kind == "next" else "-.->"
-        lines.append(f"  {ids[edge.src]} {arrow}|{_mermaid_text(_edge_label(edge))}| {ids[edge.dst]}")
+        lines.append(f"  {ids[edge.src]} {arrow}|{mermaid_text(_edge_label(edge))}| {ids[edge.dst]}")
     lines += [f"  {ids[s]} --> output" for s in plan.config.terminal_stages]
     lines += [f"  {ids[s]} -.->|stream| output" for s in _caller_streams(plan)]
     return "\n".join(lines) + "\n"
@@ -264,14 +264,14 @@ def _caller_streams(plan: Plan) -> list[str]:
     return [s.name for s in plan.config.stages if not s.terminal and CALLER_STAGE in s.stream_to]
 
 
-def _mermaid_text(text: str) -> str:
+def mermaid_text(text: str) -> str:
     return text.replace('"', "#quot;").replace("|", "#124;")
 
 
 def render_dot(plan: Plan) -> str:
     """A graphviz digraph: one cluster per process group, edges labelled with their relay
     (stream edges dashed); the caller's input and outputs as ellipses."""
-    q = _dot_text
+    q = dot_text
     ids = {name: f"s{i}" for i, name in enumerate(plan.config.stage_names)}
     lines = [f"digraph {q(plan.config.name)} {{", "  rankdir=LR;", "  node [shape=box];",
              "  input [shape=ellipse];", "  output [shape=ellipse];"]
@@ -289,5 +289,5 @@ def render_dot(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _dot_text(text: str) -> str:
+def dot_text(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -28,13 +28,14 @@ from .specs import INLINE_CAPABILITIES
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-class _Meta(msgspec.Struct, array_like=True):
+class Meta(msgspec.Struct, array_like=True):
     dtypes: list[str]
     shapes: list[list[int]]
 
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Meta).decode
+# The handle's wire format, public: the tests that forge handles write it with these.
+encode_meta = msgspec.msgpack.Encoder().encode
+decode_meta = msgspec.msgpack.Decoder(Meta).decode
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (made contiguous first when it is not)."""
@@ -87,7 +88,7 @@ def inline_transfer(tensors: Sequence[torch.Tensor]) -> Transfer:
     key = tuple((t.dtype, t.shape) for t in tensors)
     handle = _HANDLES.get(key)
     if handle is None:
-        handle = _encode(_Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]))
+        handle = encode_meta(Meta([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]))
         if len(_HANDLES) >= _CACHE_SIZE:
             _HANDLES.clear()
         _HANDLES[key] = handle
@@ -102,7 +103,7 @@ def inline_tensors(handle: bytes, frames: Sequence[Any]) -> list[torch.Tensor]:
     if specs is None:
         from .checks import decode, tensor_specs
 
-        meta = decode(_decode, handle, "inline")
+        meta = decode(decode_meta, handle, "inline")
         specs = tensor_specs(meta.dtypes, meta.shapes, "inline")
         if type(handle) is bytes:
             if len(_SPECS) >= _CACHE_SIZE:

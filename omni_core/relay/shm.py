@@ -77,7 +77,7 @@ _MEMMOVE_BELOW = 4 << 20
 DEFAULTS = {name: option.default for name, option in SHM_OPTIONS.items()}
 
 
-class _Handle(msgspec.Struct, array_like=True):
+class Handle(msgspec.Struct, array_like=True):
     segment: str  # "" when the tensors hold no bytes
     slot: int
     ticket: int
@@ -89,8 +89,9 @@ class _Handle(msgspec.Struct, array_like=True):
 
 
 _DTYPE_NAMES = {dt: dtype_name(dt) for dt in DTYPES.values()}
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Handle).decode
+# A handle's wire format, public: the tests that forge handles write it with these.
+encode_handle = msgspec.msgpack.Encoder().encode
+decode_handle = msgspec.msgpack.Decoder(Handle).decode
 
 
 @attrs.define
@@ -244,7 +245,7 @@ class ShmRelay(Relay):
         dtypes = [_DTYPE_NAMES[t.dtype] for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         if nbytes == 0:
-            return Transfer(_encode(_Handle("", 0, 0, request_id, 0, offsets, dtypes, shapes)))
+            return Transfer(encode_handle(Handle("", 0, 0, request_id, 0, offsets, dtypes, shapes)))
         seg, span, release = await self._reserve(request_id, nbytes, target)
         base = span.slot * seg.slot_bytes
         try:
@@ -253,8 +254,8 @@ class ShmRelay(Relay):
         except BaseException:
             release()
             raise
-        handle = _Handle(seg.name, span.slot, span.ticket, request_id, base, offsets, dtypes, shapes)
-        return Transfer(_encode(handle))
+        handle = Handle(seg.name, span.slot, span.ticket, request_id, base, offsets, dtypes, shapes)
+        return Transfer(encode_handle(handle))
 
     async def _reserve(self, request_id: int, nbytes: int, target: str):
         """``(segment, span, undo)`` for ``nbytes`` toward ``target``, waiting for credits."""
@@ -320,7 +321,7 @@ class ShmRelay(Relay):
         key = bytes(handle)
         if frames:  # a small transfer: its bytes came as frames (a pool transfer has none)
             return inline_tensors(key, frames)
-        h = checks.decode(_decode, key, "shm")
+        h = checks.decode(decode_handle, key, "shm")
         specs = checks.tensor_specs(h.dtypes, h.shapes, "shm", ("offsets", h.offsets))
         if not h.segment:
             checks.no_bytes(specs, "shm")
@@ -380,7 +381,7 @@ class ShmRelay(Relay):
         key = bytes(handle)
         self._held.pop(key, None)
         try:
-            h = _decode(key)
+            h = decode_handle(key)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # a small transfer's (frames: nothing to release), or never one of ours
         if not h.segment or self._closed:

@@ -85,7 +85,7 @@ class CudaIpcRelayError(RelayError):
     """A transfer of the ``cuda_ipc`` relay failed; the message says which and why."""
 
 
-class _Shared(msgspec.Struct, array_like=True):
+class Shared(msgspec.Struct, array_like=True):
     """One tensor's CUDA allocation as ``storage._share_cuda_()`` describes it."""
 
     handle: bytes  # cudaIpcMemHandle of the allocation
@@ -96,7 +96,7 @@ class _Shared(msgspec.Struct, array_like=True):
     tensor_offset: int  # elements from the storage's start to the tensor's
 
 
-class _Handle(msgspec.Struct, array_like=True):
+class Handle(msgspec.Struct, array_like=True):
     link: str  # the link's ledger file in the runtime dir; "" when no tensor has bytes
     sender: str  # the sending process, for messages
     slot: int
@@ -106,16 +106,17 @@ class _Handle(msgspec.Struct, array_like=True):
     event: bytes  # IPC handle of the slot's event, recorded after the tensors' writes
     dtypes: list[str]
     shapes: list[list[int]]
-    shared: list[_Shared | None]  # None for a tensor without bytes
+    shared: list[Shared | None]  # None for a tensor without bytes
 
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Handle).decode
+# A handle's wire format, public: the tests that forge handles write it with these.
+encode_handle = msgspec.msgpack.Encoder().encode
+decode_handle = msgspec.msgpack.Decoder(Handle).decode
 
 
 # -- options, checks, helpers -------------------------------------------------------------------
 
-def _options(options: dict[str, Any]) -> tuple[int, float]:
+def parse_options(options: dict[str, Any]) -> tuple[int, float]:
     """``(credits, timeout)`` from ``relay.options`` (other keys belong to other relays)."""
     values = relay_options("cuda_ipc", OPTIONS, options)
     return values["credits"], float(values["timeout"])
@@ -145,11 +146,11 @@ def check_tensors(tensors: Sequence[Any]) -> torch.device | None:
     return device
 
 
-def check_handle(handle: bytes, run_id: str) -> _Handle:
+def check_handle(handle: bytes, run_id: str) -> Handle:
     """The decoded handle, after the checks that need no GPU (see :mod:`omni_core.relay.checks`):
     its link is a plain ledger name of this run, one share per declared tensor (None exactly for
     the empty ones), each share large enough for its tensor."""
-    h = checks.decode(_decode, handle, "cuda_ipc")
+    h = checks.decode(decode_handle, handle, "cuda_ipc")
     specs = checks.tensor_specs(h.dtypes, h.shapes, "cuda_ipc", ("shares", h.shared))
     if not h.link:
         checks.no_bytes(specs, "cuda_ipc")
@@ -186,7 +187,7 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for dim in reversed(shape):
         strides.append(step)
@@ -194,7 +195,7 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+def byte_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[list[int], int]:
     """Aligned byte offsets of each tensor in a flat receive buffer, and the buffer's size."""
     offsets, cursor = [], 0
     for dt, shape in zip(dtypes, shapes, strict=True):
@@ -208,14 +209,14 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _open(shared: _Shared, dtype: torch.dtype, shape: Sequence[int], device: int) -> torch.Tensor:
+def _open(shared: Shared, dtype: torch.dtype, shape: Sequence[int], device: int) -> torch.Tensor:
     """A tensor viewing the sender's allocation, opened on local ``device``."""
     storage = torch.UntypedStorage._new_shared_cuda(
         device, shared.handle, shared.size, shared.offset, shared.counter, shared.counter_offset,
         _NO_EVENT, False,
     )
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-    return torch._utils._rebuild_tensor(typed, shared.tensor_offset, tuple(shape), _strides(shape))
+    return torch._utils._rebuild_tensor(typed, shared.tensor_offset, tuple(shape), contiguous_strides(shape))
 
 
 def _return_counts(counters: Sequence[tuple[bytes, int]]) -> None:
@@ -341,7 +342,7 @@ class CudaIpcRelay(Relay):
 
     def __init__(self, ctx: RelayContext):
         super().__init__(ctx)
-        self.credits, self.timeout = _options(dict(ctx.options))
+        self.credits, self.timeout = parse_options(dict(ctx.options))
         require_cuda(ctx.process)
         self.token = secrets.token_hex(3)
         self._tickets = itertools.count(1)
@@ -365,7 +366,7 @@ class CudaIpcRelay(Relay):
         dtypes = [dtype_name(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         if all(t.numel() == 0 for t in tensors):
-            return Transfer(_encode(_Handle("", self.ctx.process, 0, 0, request_id, "", b"", dtypes, shapes,
+            return Transfer(encode_handle(Handle("", self.ctx.process, 0, 0, request_id, "", b"", dtypes, shapes,
                                             [None] * len(tensors))))
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -386,7 +387,7 @@ class CudaIpcRelay(Relay):
                         continue
                     _, handle, size, offset, counter, counter_offset, _, _ = t.untyped_storage()._share_cuda_()
                     credit.counters.append((counter, counter_offset))
-                    shared.append(_Shared(handle, size, offset, counter, counter_offset, t.storage_offset()))
+                    shared.append(Shared(handle, size, offset, counter, counter_offset, t.storage_offset()))
                 credit.pins = prepared
                 event.record(torch.cuda.current_stream(device))
         except BaseException as exc:
@@ -397,9 +398,9 @@ class CudaIpcRelay(Relay):
                     f"{target!r}: {exc} (allocations from PYTORCH_CUDA_ALLOC_CONF="
                     "expandable_segments:True may not be shareable)") from exc
             raise
-        handle = _Handle(link.name, self.ctx.process, credit.slot, credit.ticket, request_id, link.uuid,
+        handle = Handle(link.name, self.ctx.process, credit.slot, credit.ticket, request_id, link.uuid,
                          event_handle, dtypes, shapes, shared)
-        return Transfer(_encode(handle))
+        return Transfer(encode_handle(handle))
 
     def _link(self, key: tuple[str, int], device: torch.device) -> _Link:
         link = self._links.get(key)
@@ -470,7 +471,7 @@ class CudaIpcRelay(Relay):
         self._held[key] = held
         return out
 
-    def _open_here(self, peer: _Peer, h: _Handle, local: torch.device, opened: list[int]):
+    def _open_here(self, peer: _Peer, h: Handle, local: torch.device, opened: list[int]):
         """Same GPU: the sender's memory itself, after the sender's writes (its slot event)."""
         torch.cuda.current_stream(local).wait_event(peer.event(h.slot, h.event, local.index))
         out = []
@@ -483,13 +484,13 @@ class CudaIpcRelay(Relay):
                 opened.append(i)
         return _Held(peer, h.slot, h.ticket, h.request_id, list(out)), out
 
-    def _copy_here(self, peer: _Peer, h: _Handle, local: torch.device, opened: list[int]):
+    def _copy_here(self, peer: _Peer, h: Handle, local: torch.device, opened: list[int]):
         """Another GPU: peer copies into a pooled buffer of this GPU, on a side stream."""
         source = _local_index(h.device)
         where = source if source is not None else local.index
         stream = self._stream(where)
         stream.wait_event(peer.event(h.slot, h.event, where))
-        offsets, nbytes = _layout(h.dtypes, h.shapes)
+        offsets, nbytes = byte_layout(h.dtypes, h.shapes)
         buffer = peer.pool.take(nbytes, local)
         out = []
         try:
@@ -519,7 +520,7 @@ class CudaIpcRelay(Relay):
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def _peer(self, h: _Handle) -> _Peer:
+    def _peer(self, h: Handle) -> _Peer:
         peer = self._peers.get(h.link)
         if peer is None:
             if self._closed:

@@ -7,19 +7,19 @@ import msgspec
 import pytest
 from omni_core.relay import InvalidHandle
 
-from omni_cuda_ipc.relay import _encode, _Handle, _Shared, check_handle
+from omni_cuda_ipc.relay import Handle, Shared, check_handle, encode_handle
 
 RUN = "run1"
-GOOD_SHARE = _Shared(b"\x01" * 64, 4096, 0, b"/torch_123_456_0", 7, 0)
+GOOD_SHARE = Shared(b"\x01" * 64, 4096, 0, b"/torch_123_456_0", 7, 0)
 
 
 def handle(**changes) -> bytes:
     fields = dict(link=f"cuda_ipc.{RUN}.a.b.gpu0.p1.abc.g1", sender="a", slot=0, ticket=1, request_id=1,
                   device="GPU-1", event=b"\x02" * 64, dtypes=["float32"], shapes=[[16]], shared=[GOOD_SHARE])
-    return _encode(_Handle(**{**fields, **changes}))
+    return encode_handle(Handle(**{**fields, **changes}))
 
 
-def share(**changes) -> _Shared:
+def share(**changes) -> Shared:
     return msgspec.structs.replace(GOOD_SHARE, **changes)
 
 

@@ -19,7 +19,7 @@ from omni_core.testing import peer as cmd
 from omni_core.testing.peer import PeerState, RelayPeer, tensor_record
 from omni_core.testing.relay_conformance import shm_entries
 
-from omni_cuda_ipc.relay import CudaIpcRelay, _decode, _encode
+from omni_cuda_ipc.relay import CudaIpcRelay, decode_handle, encode_handle
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -138,9 +138,9 @@ def test_memory_goes_back_after_release_and_after_an_abort(make):
 def test_a_broken_handle_fails_alone_and_the_relay_goes_on(make):
     sender, receiver = make.relay("a"), make.peer("b")
     good = run(sender.put(1, [torch.ones(10, device="cuda")], "b"))
-    h = _decode(good.handle)
+    h = decode_handle(good.handle)
     broken = msgspec.structs.replace(h, shared=[msgspec.structs.replace(h.shared[0], handle=bytes(64))])
-    error = receiver.call(get_error, _encode(broken))
+    error = receiver.call(get_error, encode_handle(broken))
     assert error.startswith("CudaIpcRelayError") and "cannot open" in error
     again = run(sender.put(2, [torch.full((10,), 2.0, device="cuda")], "b"))
     assert receiver.call(cmd.get_records, again.handle, []) == records([torch.full((10,), 2.0)])

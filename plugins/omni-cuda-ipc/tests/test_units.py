@@ -17,14 +17,14 @@ from omni_cuda_ipc.ledger import Ledger, LedgerError, process_alive
 from omni_cuda_ipc.relay import (
     CudaIpcRelay,
     CudaIpcRelayError,
-    _decode,
-    _encode,
-    _Handle,
-    _layout,
-    _options,
-    _Shared,
-    _strides,
+    Handle,
+    Shared,
+    byte_layout,
     check_tensors,
+    contiguous_strides,
+    decode_handle,
+    encode_handle,
+    parse_options,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,31 +38,31 @@ def path(tmp_path):
 # -- handles ------------------------------------------------------------------------------------
 
 def test_handle_round_trips_with_its_shares_and_empty_tensors():
-    shared = _Shared(b"\x01" * 64, 4096, 512, b"/torch_123_456_0", 7, 16)
-    handle = _Handle("cuda_ipc.run.a.b.gpu0.p1.x.g1", "a", 3, 99, 12, "GPU-1234", b"\x02" * 64,
+    shared = Shared(b"\x01" * 64, 4096, 512, b"/torch_123_456_0", 7, 16)
+    handle = Handle("cuda_ipc.run.a.b.gpu0.p1.x.g1", "a", 3, 99, 12, "GPU-1234", b"\x02" * 64,
                      ["float32", "int8"], [[4, 4], [0]], [shared, None])
-    wire = _encode(handle)
+    wire = encode_handle(handle)
     assert isinstance(wire, bytes) and len(wire) < 400, "handles ride in control messages"
-    back = _decode(wire)
+    back = decode_handle(wire)
     assert back == handle and back.shared[0].counter == b"/torch_123_456_0"
 
 
 def test_a_handle_of_another_relay_is_rejected():
     with pytest.raises(msgspec.ValidationError):
-        _decode(msgspec.msgpack.encode(["segment", 0, 1, 2]))
+        decode_handle(msgspec.msgpack.encode(["segment", 0, 1, 2]))
 
 
 def test_receive_buffer_layout_aligns_every_tensor():
-    offsets, size = _layout(["float32", "uint8", "float64", "bool"], [[3], [5], [2, 2], [0]])
+    offsets, size = byte_layout(["float32", "uint8", "float64", "bool"], [[3], [5], [2, 2], [0]])
     assert offsets == [0, 256, 512, 768] and size == 768
     assert all(o % 256 == 0 for o in offsets)
 
 
 def test_contiguous_strides():
-    assert _strides([2, 3, 4]) == (12, 4, 1)
-    assert _strides([]) == ()
-    assert _strides([3, 0, 2]) == (2, 2, 1)
-    assert torch.empty(3, 0, 2).stride() == _strides([3, 0, 2])
+    assert contiguous_strides([2, 3, 4]) == (12, 4, 1)
+    assert contiguous_strides([]) == ()
+    assert contiguous_strides([3, 0, 2]) == (2, 2, 1)
+    assert torch.empty(3, 0, 2).stride() == contiguous_strides([3, 0, 2])
 
 
 def test_receive_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
@@ -82,14 +82,14 @@ def test_receive_pool_reuses_the_smallest_fitting_buffer_and_keeps_a_few():
 # -- options and tensors ----------------------------------------------------------------------
 
 def test_options_defaults_and_other_relays_keys():
-    assert _options({}) == (32, 30.0)
-    assert _options({"credits": 4, "timeout": 2, "slot_bytes": 1 << 20, "link_timeout": 9}) == (4, 2.0)
+    assert parse_options({}) == (32, 30.0)
+    assert parse_options({"credits": 4, "timeout": 2, "slot_bytes": 1 << 20, "link_timeout": 9}) == (4, 2.0)
 
 
 @pytest.mark.parametrize("key,value", [("credits", 0), ("credits", 1.5), ("timeout", 0), ("credits", True)])
 def test_invalid_options_name_the_option(key, value):
     with pytest.raises(ValueError, match=f"relay.options.{key}"):
-        _options({key: value})
+        parse_options({key: value})
 
 
 def test_cpu_tensors_are_a_clear_error():

@@ -98,7 +98,7 @@ class _LinkBroken(Exception):
     pass
 
 
-class _Handle(msgspec.Struct, array_like=True):
+class Handle(msgspec.Struct, array_like=True):
     link: str  # the link's ledger file in the runtime dir; "" for a transfer without bytes
     sender: str  # the sending process, for messages
     seq: int
@@ -112,8 +112,9 @@ class _Handle(msgspec.Struct, array_like=True):
     host: list[bool]  # per tensor: it was a CPU tensor (a mixed put travels through CUDA)
 
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Handle).decode
+# A handle's wire format, public: the tests that forge handles write it with these.
+encode_handle = msgspec.msgpack.Encoder().encode
+decode_handle = msgspec.msgpack.Decoder(Handle).decode
 
 
 # -- options, names, layout ---------------------------------------------------------------------
@@ -335,7 +336,7 @@ class _SendLink:
             _hello(group, 0, self.kind, self.device, self.relay.link_timeout)
         except Exception as exc:
             with self.lock:
-                self.error = f"connecting failed ({_first_line(exc)}){_hint(exc)}"
+                self.error = f"connecting failed ({_first_line(exc)}){failure_hint(exc)}"
                 self.queued.clear()
             return
         with self.lock:
@@ -469,7 +470,7 @@ class _RecvLink:
             self._receive(group)
         except Exception as exc:
             with self.cond:
-                self.error = f"{_first_line(exc)}{_hint(exc)}"
+                self.error = f"{_first_line(exc)}{failure_hint(exc)}"
                 self._fail_waiting(self.error)
         finally:
             _drop_group(group, self.kind)
@@ -550,7 +551,7 @@ class _RecvLink:
         self.waiting.clear()
 
 
-def _hint(exc: BaseException) -> str:
+def failure_hint(exc: BaseException) -> str:
     if "Duplicate GPU" in str(exc):
         return ("; both ends of the link are on the same GPU, and NCCL needs one GPU per rank: "
                 "use the cuda_ipc relay between stages that share a GPU")
@@ -602,7 +603,7 @@ class NcclRelay(Relay):
         meta = ([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
                 [t.device.type == "cpu" for t in tensors])
         if nbytes == 0:
-            return Transfer(_encode(_Handle("", self.ctx.process, 0, 0, 0, request_id, 0, offsets, *meta)))
+            return Transfer(encode_handle(Handle("", self.ctx.process, 0, 0, 0, request_id, 0, offsets, *meta)))
         if kind == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (target, kind)
@@ -627,9 +628,9 @@ class NcclRelay(Relay):
             if send is not None:  # neither queued nor pending on any link: the buffer is free
                 self.staging_pool(kind, send.buffer.device).give(send.buffer)
             raise
-        handle = _Handle(link.name, self.ctx.process, send.seq, credit.slot, credit.ticket,
+        handle = Handle(link.name, self.ctx.process, send.seq, credit.slot, credit.ticket,
                          request_id, nbytes, offsets, *meta)
-        return Transfer(_encode(handle))
+        return Transfer(encode_handle(handle))
 
     def _stage(self, tensors, offsets: list[int], nbytes: int, kind: str, device) -> torch.Tensor:
         """One copy in: every tensor into a flat staging buffer on the link's device."""
@@ -698,7 +699,7 @@ class NcclRelay(Relay):
 
     async def get(self, handle: bytes, frames: Sequence[Any] = ()) -> list[torch.Tensor]:
         key = bytes(handle)
-        h = checks.decode(_decode, key, "nccl")
+        h = checks.decode(decode_handle, key, "nccl")
         specs = checks.tensor_specs(h.dtypes, h.shapes, "nccl", ("offsets", h.offsets), ("host flags", h.host))
         if not h.link:
             checks.no_bytes(specs, "nccl")
@@ -755,7 +756,7 @@ class NcclRelay(Relay):
                 "device; place the stage on a GPU or move the tensors to the CPU before they leave")
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _recv_link(self, h: _Handle) -> _RecvLink:
+    def _recv_link(self, h: Handle) -> _RecvLink:
         link = self._rlinks.get(h.link)
         if link is None:
             if self._closed:

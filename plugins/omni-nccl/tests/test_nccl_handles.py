@@ -17,7 +17,7 @@ from omni_core.relay.base import RelayContext
 from omni_core.testing import peer as cmd
 from omni_core.testing.peer import RelayPeer, tensor_record
 
-from omni_nccl.relay import NcclRelay, _decode, _encode, _Handle
+from omni_nccl.relay import Handle, NcclRelay, decode_handle, encode_handle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +38,7 @@ def ctx(tmp_path):
 def handle(ctx: RelayContext, **changes) -> bytes:
     fields = dict(link=f"nccl.{ctx.run_id}.a.b.cpu.p1.abc.g1", sender="a", seq=1, slot=0, ticket=1,
                   request_id=1, nbytes=64, offsets=[0], dtypes=["float32"], shapes=[[16]], host=[True])
-    return _encode(_Handle(**{**fields, **changes}))
+    return encode_handle(Handle(**{**fields, **changes}))
 
 
 def refused(relay, raw: bytes, match: str):
@@ -72,11 +72,11 @@ def test_forged_sequence_number_and_slot_fail_at_once_and_the_link_goes_on(ctx):
     receiver = RelayPeer.start(NcclRelay, ctx)
     try:
         real = run(sender.put(1, [torch.arange(16, dtype=torch.float32)], "b")).handle
-        h = _decode(real)
+        h = decode_handle(real)
         for bad, match in ((msgspec.structs.replace(h, seq=10**9), "never posted"),
                            (msgspec.structs.replace(h, seq=0), "never posted"),
                            (msgspec.structs.replace(h, slot=99), "slot")):
-            error = receiver.call(get_error, _encode(bad))
+            error = receiver.call(get_error, encode_handle(bad))
             assert error.startswith("InvalidHandle") and match in error, error
         got = receiver.call(cmd.get_records, real, [])
         assert got == [(*tensor_record(torch.arange(16, dtype=torch.float32)), True)]

@@ -25,7 +25,7 @@ from omni_core.testing.relay_conformance import sample, shm_entries
 from omni_core.testing.waiting import holds_within
 
 from omni_nccl.ledger import Ledger
-from omni_nccl.relay import NcclRelay, NcclRelayError, _decode
+from omni_nccl.relay import NcclRelay, NcclRelayError, decode_handle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,14 +115,14 @@ def test_each_target_gets_a_link_numbering_its_transfers_and_gets_in_any_order_m
     sender, b, c = make.relay("a", credits=8), make.peer("b"), make.peer("c")
     sent = [[sample(torch.float32, (10 + i,), seed=i), torch.full((2,), i)] for i in range(5)]
     handles = [run(sender.put(i, tensors, "b")).handle for i, tensors in enumerate(sent)]
-    decoded = [_decode(h) for h in handles]
+    decoded = [decode_handle(h) for h in handles]
     assert [h.seq for h in decoded] == [1, 2, 3, 4, 5]
     assert len({h.link for h in decoded}) == 1 and sender.ctx.run_id in decoded[0].link
     for i in reversed(range(5)):  # the receiver parks the earlier ones until their get
         assert b.call(cmd.get_records, handles[i], []) == records(sent[i])
     to_c = [run(sender.put(9 + i, [torch.full((2,), float(i))], "c")).handle for i in range(2)]
-    assert [_decode(h).seq for h in to_c] == [1, 2]
-    assert _decode(to_c[0]).link != decoded[0].link, "one link per target"
+    assert [decode_handle(h).seq for h in to_c] == [1, 2]
+    assert decode_handle(to_c[0]).link != decoded[0].link, "one link per target"
     assert c.call(cmd.get_records, to_c[1], []) == records([torch.full((2,), 1.0)])
     assert c.call(cmd.get_records, to_c[0], []) == records([torch.full((2,), 0.0)])
 
@@ -229,7 +229,7 @@ def test_dead_receiver_fails_put_quickly_and_a_restarted_one_gets_a_new_link(mak
     for i in range(4):
         sender.cleanup(i)
     transfer = run(sender.put(10, [torch.arange(6)], "b"))
-    assert _decode(transfer.handle).link != _decode(handles[0]).link, "a new link generation"
+    assert decode_handle(transfer.handle).link != decode_handle(handles[0]).link, "a new link generation"
     restarted = make.peer("b")
     assert restarted.call(cmd.get_records, transfer.handle, []) == records([torch.arange(6)])
 
@@ -240,7 +240,7 @@ def test_receiver_that_closed_its_relay_gets_a_new_link_on_the_next_put(make):
     receiver.call(cmd.get_records, first, [])
     receiver.call(cmd.reset_relay)
     second = run(sender.put(2, [torch.zeros(3)], "b")).handle
-    assert _decode(second).link != _decode(first).link
+    assert decode_handle(second).link != decode_handle(first).link
     assert receiver.call(cmd.get_records, second, []) == records([torch.zeros(3)])
 
 
@@ -375,9 +375,9 @@ def test_cuda_link_on_a_process_without_cuda_is_a_clear_error(make, runtime_dir,
     name = f"nccl.{run_id}.a.b.cuda.p{os.getpid()}.fake.g1"
     ledger = Ledger.create(os.path.join(runtime_dir, name), 4, 16, "cuda")
     try:
-        from omni_nccl.relay import _encode, _Handle
+        from omni_nccl.relay import Handle, encode_handle
 
-        handle = _encode(_Handle(name, "a", 1, 0, 1, 1, 4, [0], ["float32"], [[1]], [False]))
+        handle = encode_handle(Handle(name, "a", 1, 0, 1, 1, 4, [0], ["float32"], [[1]], [False]))
         with pytest.raises(NcclRelayError, match="no CUDA device"):
             run(receiver.get(handle, []))
     finally:
@@ -416,7 +416,7 @@ def test_cuda_tensors_travel_over_nccl_and_cpu_ones_come_back_to_the_host(make):
     receiver.call(use_gpu, 1)
     tensors = [sample(torch.float32, (1000,)).cuda(), sample(torch.bfloat16, (3, 5)).cuda(), torch.arange(7)]
     transfer = run(sender.put(1, tensors, "b"))
-    assert ".cuda." in _decode(transfer.handle).link
+    assert ".cuda." in decode_handle(transfer.handle).link
     got = receiver.call(get_devices, transfer.handle)
     assert [d for d, _ in got] == ["cuda", "cuda", "cpu"]
     assert [r for _, r in got] == [tensor_record(t) for t in tensors]
@@ -444,8 +444,8 @@ def test_nccl_link_carries_many_transfers_in_order_both_ways(make):
 
 
 def test_nccl_on_one_gpu_for_both_ends_points_to_cuda_ipc():
-    from omni_nccl.relay import _hint
+    from omni_nccl.relay import failure_hint
 
-    hint = _hint(RuntimeError("NCCL error: invalid usage, Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1b000"))
+    hint = failure_hint(RuntimeError("NCCL error: invalid usage, Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1b000"))
     assert "same GPU" in hint and "cuda_ipc" in hint
-    assert _hint(RuntimeError("Connection closed by peer")) == ""
+    assert failure_hint(RuntimeError("Connection closed by peer")) == ""

@@ -69,7 +69,7 @@ class TcpRelayError(RelayError):
     """A tcp relay transfer failed (connection refused, ended, or not authenticated)."""
 
 
-class _Handle(msgspec.Struct, array_like=True):
+class Handle(msgspec.Struct, array_like=True):
     address: str  # the sender's listener, host:port ("" for a transfer of empty tensors only)
     secret: bytes
     sender: str
@@ -80,8 +80,9 @@ class _Handle(msgspec.Struct, array_like=True):
     shapes: list[list[int]]
 
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Handle).decode
+# A handle's wire format, public: the tests that forge handles write it with these.
+encode_handle = msgspec.msgpack.Encoder().encode
+decode_handle = msgspec.msgpack.Decoder(Handle).decode
 
 
 def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -187,7 +188,7 @@ class TcpRelay(Relay):
             return inline_transfer(tensors)
         dtypes, shapes = [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]
         if nbytes == 0:
-            return Transfer(_encode(_Handle("", b"", self.ctx.process, 0, request_id, 0, dtypes, shapes)))
+            return Transfer(encode_handle(Handle("", b"", self.ctx.process, 0, request_id, 0, dtypes, shapes)))
         if not isinstance(target, str) or not target:
             raise ValueError(f"tcp relay: target must be a process name, got {target!r}")
         offsets, size = _layout(sizes)
@@ -200,7 +201,7 @@ class TcpRelay(Relay):
             credit = await wait_for_credit(self._wait(tgt, target, nbytes),
                                            lambda: tgt.credits.take(request_id, self._tickets, tgt.ledger))
         tgt.outbox.push(wire.Outgoing(credit.ticket, request_id, size, nbytes, segments))
-        return Transfer(_encode(_Handle(address, self._secret, self.ctx.process, credit.ticket, request_id,
+        return Transfer(encode_handle(Handle(address, self._secret, self.ctx.process, credit.ticket, request_id,
                                         size, dtypes, shapes)))
 
     def _wait(self, tgt: _Target, target: str, nbytes: int) -> CreditWait:
@@ -293,7 +294,7 @@ class TcpRelay(Relay):
         key = bytes(handle)
         if frames:  # a small transfer: its bytes came as frames of the control message
             return inline_tensors(key, frames)
-        h = checks.decode(_decode, key, "tcp")
+        h = checks.decode(decode_handle, key, "tcp")
         specs = checks.tensor_specs(h.dtypes, h.shapes, "tcp")
         if not h.address:
             checks.no_bytes(specs, "tcp")
@@ -318,7 +319,7 @@ class TcpRelay(Relay):
         return [buffer[off:off + n].view(dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
                 for (dtype, shape, n), off in zip(specs, offsets, strict=True)]
 
-    async def _link(self, h: _Handle) -> wire.ClientLink:
+    async def _link(self, h: Handle) -> wire.ClientLink:
         link = self._links.get((h.address, h.secret))
         if link is not None and (link.error is None or link.progress(h.ticket) >= 0):
             return link
@@ -362,7 +363,7 @@ class TcpRelay(Relay):
         link.start()
         return link
 
-    async def _arrival(self, link: wire.ClientLink, h: _Handle) -> wire.Incoming:
+    async def _arrival(self, link: wire.ClientLink, h: Handle) -> wire.Incoming:
         """The complete transfer of ``h`` once its last chunk arrived; TcpRelayError when the
         connection ends, the sender abandons it, or nothing arrives for ``timeout`` seconds."""
         got = link.wait(h.ticket, asyncio.get_running_loop())
@@ -397,7 +398,7 @@ class TcpRelay(Relay):
 
     def release(self, handle: bytes) -> None:
         try:
-            h = _decode(bytes(handle))
+            h = decode_handle(bytes(handle))
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
             return  # an inline transfer's handle, or not one of ours: nothing is held
         held = self._held.pop((h.address, h.secret, h.ticket), None)

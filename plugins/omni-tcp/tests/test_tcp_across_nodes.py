@@ -18,7 +18,7 @@ from omni_core.testing.peer import PeerError
 from omni_core.testing.relay_conformance import RECEIVER, SENDER, assert_arrived, sample
 
 from omni_tcp import wire
-from omni_tcp.relay import _decode, _encode, _Handle
+from omni_tcp.relay import Handle, decode_handle, encode_handle
 
 pytest.importorskip("omni_ray", reason="the cross-node tests need omni-ray (pip install ./plugins/omni-ray)")
 
@@ -41,7 +41,7 @@ class TestTcpAcrossNodes(RayCrossNodeConformance):
         transfer = self.run(sender.put(1, [sample(torch.float32, (1000,))], RECEIVER))
         assert not transfer.frames, "the tensor rode in the control message, not the data connection"
         self.run(receiver.transport.deliver(receiver, transfer))
-        assert _decode(transfer.handle).address.rsplit(":", 1)[0] == self.this_ip()
+        assert decode_handle(transfer.handle).address.rsplit(":", 1)[0] == self.this_ip()
 
     def test_a_peer_without_the_secret_reads_nothing_and_injects_nothing(self, sender, receiver):
         """Clients that connect to the sender's listener without the secret (one claiming to be
@@ -50,7 +50,7 @@ class TestTcpAcrossNodes(RayCrossNodeConformance):
         genuine = [sample(torch.float32, (50_000,))]
         transfer = self.run(sender.put(1, genuine, RECEIVER))
         assert_arrived(genuine, self.run(receiver.transport.deliver(receiver, transfer)))
-        h = _decode(transfer.handle)
+        h = decode_handle(transfer.handle)
         host, port = h.address.rsplit(":", 1)
 
         with socket.create_connection((host, int(port)), timeout=10) as sock, \
@@ -85,7 +85,7 @@ class TestTcpAcrossNodes(RayCrossNodeConformance):
         thread.start()
         try:
             address = f"{self.this_ip()}:{listener.getsockname()[1]}"
-            forged = _encode(_Handle(address, os.urandom(32), SENDER, 1, 1, 64, ["float32"], [[16]]))
+            forged = encode_handle(Handle(address, os.urandom(32), SENDER, 1, 1, 64, ["float32"], [[16]]))
             with pytest.raises(PeerError, match="failed to authenticate"):
                 self.run(receiver.transport.deliver(receiver, Transfer(forged)))
         finally:

@@ -19,7 +19,7 @@ from omni_core.testing.relay_conformance import remove_leaked
 
 from omni_tcp import wire
 from omni_tcp.plugin import CAPABILITIES
-from omni_tcp.relay import TcpRelay, _decode, _encode, _Handle
+from omni_tcp.relay import Handle, TcpRelay, decode_handle, encode_handle
 
 OPTIONS = {"credits": 4, "timeout": 5.0, "inline_below": 0, "host": "127.0.0.1", "chunk_bytes": 1 << 16}
 
@@ -66,7 +66,7 @@ def pair(receiver, tmp_path):
 async def _get_and_peek(state, small: bytes, big: bytes):
     """Get ``small``; how many bytes of transfer ``big`` had arrived by then."""
     tensors = await state.relay.get(small)
-    h = _decode(big)
+    h = decode_handle(big)
     arrived = state.relay.open_links()["receiving"][h.address]["arriving"].get(h.ticket, -1)
     records = [tensor_record(t) for t in tensors]
     state.relay.release(small)
@@ -101,11 +101,11 @@ def test_a_small_transfer_overtakes_a_large_one_in_flight(pair):
 def test_forged_handles_are_refused_before_anything_is_opened(pair):
     sender, receiver = pair
     transfer = asyncio.run(sender.put(1, [torch.ones(1000)], "receiver"))
-    h = _decode(transfer.handle)
+    h = decode_handle(transfer.handle)
 
     def forged(**changes):
         fields = {f: getattr(h, f) for f in h.__struct_fields__}
-        return _encode(_Handle(**{**fields, **changes}))
+        return encode_handle(Handle(**{**fields, **changes}))
 
     relay = TcpRelay(RelayContext("x", "checker", "/nonexistent", OPTIONS))
     try:
@@ -124,7 +124,7 @@ def test_forged_handles_are_refused_before_anything_is_opened(pair):
 def test_a_client_without_the_secret_is_refused_and_the_sender_goes_on(pair):
     sender, receiver = pair
     first = asyncio.run(sender.put(1, [torch.ones(5000)], "receiver"))
-    h = _decode(first.handle)
+    h = decode_handle(first.handle)
     host, port = h.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock, \
             pytest.raises(wire.LinkError, match="did not prove"):

@@ -8,13 +8,13 @@ import asyncio
 import torch
 
 from omni_transformers.kit.streams import USAGE_KEYS
-from omni_transformers.qwen2_5_omni.talker import _ThinkerStream
+from omni_transformers.qwen2_5_omni import talker as qwen_talker
 
 USAGE = {"prompt_tokens": 31, "completion_tokens": 2, "finish_reason": "length"}
 
 
 class FakeContext:
-    """The part of a StageContext ``_ThinkerStream.read`` uses: one incoming stream, emit."""
+    """The part of a StageContext ``ThinkerStream.read`` uses: one incoming stream, emit."""
 
     def __init__(self, chunks):
         self.chunks, self.emitted = chunks, []
@@ -36,7 +36,7 @@ def thinker_stream(final: dict) -> list[dict]:
 
 def read(final: dict) -> list[dict]:
     ctx = FakeContext(thinker_stream(final))
-    asyncio.run(_ThinkerStream(ctx, "thinker").read())
+    asyncio.run(qwen_talker.thinker_stream(ctx, "thinker").read())
     return ctx.emitted
 
 

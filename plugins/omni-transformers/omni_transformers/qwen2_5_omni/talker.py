@@ -56,6 +56,6 @@ class Talker(CodecTalker):
         return self.model.codec_head(out.last_hidden_state)[:, -1, :].float()
 
 
-def _ThinkerStream(ctx, source: str) -> ThinkerStream:  # noqa: N802 - the name tests import
+def thinker_stream(ctx, source: str) -> ThinkerStream:
     """The kit's thinker-stream reader with this family's head tensors."""
     return ThinkerStream(ctx, source, Talker.head_keys)
