@@ -31,6 +31,9 @@ def load_talker(path, *, dtype: str | None = "auto", device: str = "cpu"):
     if not config.enable_audio_output:
         raise ValueError(f"{path} has no talker (enable_audio_output: false)")
     _merge_experts_on_load()
+    # get_rope_index reads config.audio_config (its n_window) for a prompt with audio and an image; the talker's
+    # config has none of its own: it is the thinker's audio tower's.
+    config.talker_config.audio_config = config.thinker_config.audio_config
     want = torch_dtype(dtype)
     model = transformers.Qwen3OmniMoeTalkerForConditionalGeneration.from_pretrained(
         path, config=config.talker_config, key_mapping={r"^talker\.": ""}, local_files_only=True,
