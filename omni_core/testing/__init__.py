@@ -16,8 +16,9 @@
   ``fuzz_server``, hypothesis over its ``GET /openapi.json``.
 - :mod:`omni_core.testing.waiting`: ``until`` (poll a predicate with a deadline, the way to wait
   for another task, thread or process instead of sleeping), ``holds_within`` (its synchronous
-  twin, a bool to assert) and ``events_until`` (a realtime
-  connection's events up to the first of a type, with a timeout).
+  twin, a bool to assert), ``suspended`` (until tasks started and wait, instead of counting turns
+  of the event loop) and ``events_until`` (a realtime connection's events up to the first of a
+  type, with a timeout).
 - :mod:`omni_core.testing.cuda`: the ``cuda`` marker (``@pytest.mark.cuda(devices=2)``): GPU tests
   skip without CUDA and fail instead under ``OMNI_REQUIRE_CUDA=1``.
 

@@ -240,8 +240,9 @@ class ChunkBatcher(MicroBatcher):
     request starves. Otherwise an ``omni_core.kits.MicroBatcher``: its ``max_batch_size`` /
     ``max_wait`` and their checks (a batch starts when that many chunks wait, or ``max_wait``
     seconds after the oldest arrived), its contract for ``fn`` (a list of items → one result or
-    exception per item; a plain function runs on a worker thread), closing and failing. A batch holding a first chunk runs inside ``gate.hold()``
-    (default :data:`FIRST_CHUNKS`; None: no gate)."""
+    exception per item; a plain function runs on a worker thread), closing and failing. A batch
+    holding a first chunk runs inside ``gate.hold()`` (default :data:`FIRST_CHUNKS`; None: no
+    gate)."""
 
     def __init__(self, fn: Callable[[list], list], *, max_batch_size: int = 16, max_wait: float = 0.002,
                  first_chunk_priority: bool = True, max_passed_over: int = 4, name: str | None = None,

@@ -214,7 +214,6 @@ class Token2Wav(StreamingVocoder):
             return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
 
 
-
 class SpeakerEncoderOnce:
     """The DiT's speaker encoder (an ECAPA-TDNN over the reference mel) computed once per ODE run
     instead of at each of its 4 × (num_steps − 1) evaluations: the DiT's forward encodes the same
