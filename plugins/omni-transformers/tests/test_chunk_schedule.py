@@ -142,3 +142,14 @@ def test_the_speaker_encoder_runs_once_per_ode_run_and_changes_no_bit(stages, mo
     every = stage.synthesize(codes, speaker, make_generator(3))
     assert len(calls) == 1 + 4 * (stage.options["num_steps"] - 1)
     assert torch.equal(once, every)
+
+
+def test_the_compact_block_mask_changes_no_bit(stages, monkeypatch):
+    stage = stages["exact"]
+    dit = stage.model.code2wav_dit_model
+    codes = torch.randint(0, 8000, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    speaker = speaker_params(stage.speakers, "Ethan")
+    compact = stage.synthesize(codes, speaker, make_generator(4))  # guided and unguided rows: a batch of 2
+    assert dit._create_block_diff is stage.block_mask
+    monkeypatch.setattr(dit, "_create_block_diff", stage.block_mask.full)  # [batch, heads, T, T], as transformers
+    assert torch.equal(stage.synthesize(codes, speaker, make_generator(4)), compact)
