@@ -82,19 +82,24 @@ async def pipeline_numbers(name: str, n: int, preload: bool) -> dict:
 
 #: ``--modes``: the stage arguments of each variant measured by ``--first-audio`` (``before``: exact
 #: chunks, first-come batching, the talker's codes 16 at a time and no yielding to a first chunk:
-#: the scheduling before the fast mode, but for the batched talker sampling).
+#: the scheduling before the fast mode, but for the batched talker sampling). ``vocoder`` stands for
+#: the stage whose chunks carry the audio (the pipeline's ``serve.options.openai.audio_stage``:
+#: token2wav, code2wav ...).
 MODES = {
-    "before": {"token2wav": {"mode": "exact", "first_chunk_priority": False},
+    "before": {"vocoder": {"mode": "exact", "first_chunk_priority": False},
                "talker": {"first_codes_per_chunk": 16, "yield_to_first_audio": 0}},
-    "exact": {"token2wav": {"mode": "exact"}},
-    "fast": {"token2wav": {"mode": "fast"}},
+    "exact": {"vocoder": {"mode": "exact"}},
+    "fast": {"vocoder": {"mode": "fast"}},
 }
 
 
 def with_stage_args(cfg, changes: dict[str, dict]):
-    """``cfg`` with ``changes[stage]`` laid over each named stage's arguments."""
+    """``cfg`` with ``changes[stage]`` laid over each named stage's arguments (``vocoder``: the stage
+    whose chunks carry the audio)."""
     import attrs
 
+    vocoder = cfg.serve.options.get("openai", {}).get("audio_stage") or "token2wav"
+    changes = {vocoder if name == "vocoder" else name: args for name, args in changes.items()}
     stages = [attrs.evolve(s, args={**s.args, **changes[s.name]}) if s.name in changes else s for s in cfg.stages]
     return attrs.evolve(cfg, stages=stages)
 
@@ -133,21 +138,37 @@ async def first_audio_numbers(name: str, in_flight: list[int], requests: int, in
                 runs.append(await one(next(seeds)))
 
         await one(0)  # warm-up
+        pids = {"caller": os.getpid(), **p.pids()}
         for c in in_flight:
             runs: list = []
             seeds = iter(range(1, 10**9))
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds(pids)
             await asyncio.gather(*(worker(runs, seeds, max(requests, c)) for _ in range(c)))
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pids)
             firsts = [r[0] for r in runs if r[0] is not None]
             out.append({"in_flight": c, "requests": len(runs), "first_audio_p50_s": pct(firsts, 0.5),
                         "first_audio_p99_s": pct(firsts, 0.99), "request_p50_s": pct([r[1] for r in runs], 0.5),
                         "first_audio_over_request_p50": pct([r[0] / r[1] for r in runs if r[0] is not None], 0.5),
                         "audio_chunks_p50": pct([r[2] for r in runs], 0.5), "codes_p50": pct([r[3] for r in runs], 0.5),
-                        "requests_per_s": round(len(runs) / elapsed, 2)})
+                        "requests_per_s": round(len(runs) / elapsed, 2),
+                        "cpu_ms_per_request": {role: round((cpu[role] - cpu0[role]) * 1e3 / len(runs), 1)
+                                               for role in pids},
+                        "cores_used": round(sum(cpu[role] - cpu0[role] for role in pids) / elapsed, 2)})
             out[-1]["first_audio_x_first_level"] = round(out[-1]["first_audio_p50_s"] / out[0]["first_audio_p50_s"], 2)
             out[-1]["requests_per_s_x_first_level"] = round(out[-1]["requests_per_s"] / out[0]["requests_per_s"], 2)
             print(json.dumps({"what": f"{name} first audio", **out[-1]}), flush=True)
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """Each process's CPU time so far (user + system, every thread), in seconds (Linux's process
+    CPU clock; NaN where it cannot be read)."""
+    out = {}
+    for role, pid in pids.items():
+        try:
+            out[role] = time.clock_gettime_ns(((~pid) << 3) | 2) / 1e9  # CPUCLOCK_SCHED of process pid
+        except (OSError, OverflowError, AttributeError):
+            out[role] = float("nan")
     return out
 
 
@@ -279,12 +300,14 @@ def batching(checkpoint: str, levels: list[int], pipelines: list[str], new_token
 def first_audio_table(rows: list[dict]) -> str:
     """The ``--first-audio`` rows as a Markdown table (multiples against each variant's first level)."""
     lines = ["| pipeline | mode | in flight | requests/s | × | first audio p50 | × | request p50 | "
-             "first audio ÷ request | codes |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "first audio ÷ request | codes | CPU per request | cores |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['pipeline']} | {r['mode']} | {r['in_flight']} | {r['requests_per_s']} | "
                      f"{r['requests_per_s_x_first_level']} | {r['first_audio_p50_s'] * 1e3:.0f} ms | "
                      f"{r['first_audio_x_first_level']} | {r['request_p50_s'] * 1e3:.0f} ms | "
-                     f"{r['first_audio_over_request_p50']} | {r['codes_p50']:g} |")
+                     f"{r['first_audio_over_request_p50']} | {r['codes_p50']:g} | "
+                     f"{sum(r['cpu_ms_per_request'].values()):.0f} ms | {r['cores_used']} |")
     return "\n".join(lines)
 
 

@@ -34,9 +34,12 @@ CONV_CONTEXT_FRAMES = 8
 #: Each mode's chunk schedule in frames (``first_chunk_frames``, ``chunk_growth``, ``max_chunk_frames``,
 #: ``lookback_frames``; each overridable). exact: left context over the transformer's whole reach (None:
 #: ``num_hidden_layers`` x ``sliding_window`` + ``conv_context_frames``), so every chunk equals the whole
-#: decode; fast: the first chunk after one frame and transformers' ``chunked_decode`` left context (25).
+#: decode; fast: transformers' ``chunked_decode`` left context (25), less to compute per chunk. Both make
+#: their first chunk after one frame: a chunk's boundaries change nothing in exact mode (the left context is
+#: what keeps it exact), and a first chunk of 1 frame instead of 4 brought first audio from 96 to 43 ms of a
+#: 725 ms request on the tiny checkpoint, at the same CPU per request (docs/models.md).
 SCHEDULES = {
-    "exact": {"first": 4, "growth": 2.0, "largest": 64, "lookahead": 0, "lookback": None},
+    "exact": {"first": 1, "growth": 2.0, "largest": 64, "lookahead": 0, "lookback": None},
     "fast": {"first": 1, "growth": 2.0, "largest": 64, "lookahead": 0, "lookback": 25},
 }
 
