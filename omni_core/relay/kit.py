@@ -217,6 +217,14 @@ class Credits:
         self.reclaim()
         return sorted({c.request_id for c in self.held.values()})
 
+    @staticmethod
+    def snapshot(credits: Credits | None) -> dict[str, Any]:
+        """What a relay's ``open_links()`` shows of a target's credits (None: none made yet):
+        ``{"held": [request ids holding one], "waiting": senders waiting for one}``."""
+        if credits is None:
+            return {"held": [], "waiting": 0}
+        return {"held": credits.holders(), "waiting": len(credits.waiters)}
+
     def ledgers(self) -> list[Any]:
         return list({id(c.ledger): c.ledger for c in self.held.values()}.values())
 

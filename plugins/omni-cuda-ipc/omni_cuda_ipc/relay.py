@@ -570,8 +570,7 @@ class CudaIpcRelay(Relay):
         sending = {}
         for target, device in {*self._links, *self._credits}:
             credits = self._credits.get((target, device))
-            sending[f"{target}/{device}"] = {"held": credits.holders() if credits else [],
-                                             "waiting": len(credits.waiters) if credits else 0}
+            sending[f"{target}/{device}"] = Credits.snapshot(credits)
         receiving = {name: {"from": peer.sender} for name, peer in self._peers.items()}
         return {"sending": sending, "receiving": receiving}
 

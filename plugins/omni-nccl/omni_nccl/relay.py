@@ -793,9 +793,7 @@ class NcclRelay(Relay):
             if link is not None:
                 with link.lock:
                     received, pending = link.ledger.received, [send.seq for send in link.pending]
-            sending[f"{target}/{kind}"] = {"held": credits.holders() if credits else [],
-                                           "waiting": len(credits.waiters) if credits else 0,
-                                           "received": received, "pending": pending}
+            sending[f"{target}/{kind}"] = {**Credits.snapshot(credits), "received": received, "pending": pending}
         receiving: dict[str, dict[str, Any]] = {}
         for name, rlink in self._rlinks.items():
             with rlink.cond:

@@ -437,8 +437,7 @@ class TcpRelay(Relay):
         for (address, _), link in links:
             with link.lock:
                 receiving[address] = {"arriving": {t: e.received for t, e in link.incoming.items()}}
-        return {"sending": {name: {"held": tgt.credits.holders(), "waiting": len(tgt.credits.waiters)}
-                            for name, tgt in targets.items()},
+        return {"sending": {name: Credits.snapshot(tgt.credits) for name, tgt in targets.items()},
                 "receiving": receiving}
 
     def debug_state(self) -> dict[str, int]:
