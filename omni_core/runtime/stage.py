@@ -78,7 +78,7 @@ class StageRuntime:
         self.finished: set[int] = set()  # stream targets: requests whose call here has returned
         #: can_accept_stream_before_payload: the call starts on the first chunk if it comes first
         self.starts_on_chunk = cfg.can_accept_stream_before_payload and bool(streaming_sources)
-        #: calls started on a chunk whose payload has not come: their context, None once the
+        #: calls started on a chunk whose payload has not come: their call state, None once the
         #: call ended (a payload that comes then is dropped)
         self.awaiting: dict[int, CallState | None] = {}
         self.loop: asyncio.AbstractEventLoop | None = None

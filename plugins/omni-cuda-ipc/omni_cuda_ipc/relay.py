@@ -367,7 +367,7 @@ class CudaIpcRelay(Relay):
         shapes = [list(t.shape) for t in tensors]
         if all(t.numel() == 0 for t in tensors):
             return Transfer(encode_handle(Handle("", self.ctx.process, 0, 0, request_id, "", b"", dtypes, shapes,
-                                            [None] * len(tensors))))
+                                                 [None] * len(tensors))))
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
@@ -399,7 +399,7 @@ class CudaIpcRelay(Relay):
                     "expandable_segments:True may not be shareable)") from exc
             raise
         handle = Handle(link.name, self.ctx.process, credit.slot, credit.ticket, request_id, link.uuid,
-                         event_handle, dtypes, shapes, shared)
+                        event_handle, dtypes, shapes, shared)
         return Transfer(encode_handle(handle))
 
     def _link(self, key: tuple[str, int], device: torch.device) -> _Link:
@@ -567,10 +567,8 @@ class CudaIpcRelay(Relay):
         puts waiting for a credit}},
         "receiving": {link name: {"from": sender}}}``. Credits outlive a link, so a target may be
         listed with no link. Both are empty after :meth:`close`; a refused handle opens nothing."""
-        sending = {}
-        for target, device in {*self._links, *self._credits}:
-            credits = self._credits.get((target, device))
-            sending[f"{target}/{device}"] = Credits.snapshot(credits)
+        sending = {f"{target}/{device}": Credits.snapshot(self._credits.get((target, device)))
+                   for target, device in {*self._links, *self._credits}}
         receiving = {name: {"from": peer.sender} for name, peer in self._peers.items()}
         return {"sending": sending, "receiving": receiving}
 

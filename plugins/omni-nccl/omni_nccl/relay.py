@@ -629,7 +629,7 @@ class NcclRelay(Relay):
                 self.staging_pool(kind, send.buffer.device).give(send.buffer)
             raise
         handle = Handle(link.name, self.ctx.process, send.seq, credit.slot, credit.ticket,
-                         request_id, nbytes, offsets, *meta)
+                        request_id, nbytes, offsets, *meta)
         return Transfer(encode_handle(handle))
 
     def _stage(self, tensors, offsets: list[int], nbytes: int, kind: str, device) -> torch.Tensor:
@@ -780,10 +780,10 @@ class NcclRelay(Relay):
     def open_links(self) -> dict[str, dict[str, dict[str, Any]]]:
         """What this relay holds open toward other processes, a read-only snapshot for leak checks
         and tests: ``{"sending": {"<target>/<kind>": {"held": [request ids holding credits],
-        "waiting": puts waiting for a credit, "received": transfers the receiver took off the link, "pending": [sequence numbers of
-        sends not yet complete]}}, "receiving": {link name: {"from": sender, "next": the sequence
-        number expected next, "parked": transfers taken off the link before their get, "error":
-        why the link failed or None}}}``. Credits outlive a link (a dead receiver's stay held
+        "waiting": puts waiting for a credit, "received": transfers the receiver took off the link,
+        "pending": [sequence numbers of sends not yet complete]}}, "receiving": {link name: {"from":
+        sender, "next": the sequence number expected next, "parked": transfers taken off the link
+        before their get, "error": why the link failed or None}}}``. Credits outlive a link (a dead receiver's stay held
         until cleanup), so a target may be listed with no link. Both are empty after
         :meth:`close`; a refused handle opens nothing."""
         sending: dict[str, dict[str, Any]] = {}

@@ -202,7 +202,7 @@ class TcpRelay(Relay):
                                            lambda: tgt.credits.take(request_id, self._tickets, tgt.ledger))
         tgt.outbox.push(wire.Outgoing(credit.ticket, request_id, size, nbytes, segments))
         return Transfer(encode_handle(Handle(address, self._secret, self.ctx.process, credit.ticket, request_id,
-                                        size, dtypes, shapes)))
+                                             size, dtypes, shapes)))
 
     def _wait(self, tgt: _Target, target: str, nbytes: int) -> CreditWait:
         def why(dead: bool) -> str:
